@@ -1,0 +1,34 @@
+# nanoserve — every target creates the virtualenv it needs on a fresh clone.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# CPU torch: 2.13.0 resolves to a local CPU wheel on the dev/CI machines; it must be
+# installed before anything that depends on torch so no CUDA wheel is pulled in.
+TORCH_SPEC ?= torch==2.13.0
+RUN_DIR ?= .run
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast lint proto run bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[engine,dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+proto: venv
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+		--grpc_python_out=proto proto/nanoserve/v1/nanoserve.proto
+
+clean:
+	rm -rf $(RUN_DIR) .pytest_cache

@@ -1,0 +1,76 @@
+"""Engine configuration: keyword names are the `nanoserve engine` flags in snake_case."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from engine_service.sampling_params import check_field
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization (or a CPU default)
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+    max_waiting_requests: int = 1024
+    seed: int = 0
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        cfg_path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model must be a directory with a config.json, got {self.model!r}")
+        with open(cfg_path) as f:
+            self.hf_config = json.load(f)
+        max_pos = int(self.hf_config.get("max_position_embeddings", 4096))
+        if self.max_model_len is None:
+            self.max_model_len = max_pos
+        check_field(1 <= self.max_model_len <= max_pos, "max_model_len",
+                    f"in [1, {max_pos}] (the model's max_position_embeddings)", self.max_model_len)
+        check_field(self.device in DEVICES, "device", f"one of {DEVICES}", self.device)
+        check_field(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
+        check_field(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+                    f"one of {ATTENTION_BACKENDS}", self.attention_backend)
+        check_field(self.load_format in LOAD_FORMATS, "load_format", f"one of {LOAD_FORMATS}",
+                    self.load_format)
+        check_field(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1",
+                    self.tensor_parallel_size)
+        check_field(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        check_field(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
+                    self.max_num_batched_tokens)
+        check_field(self.kv_block_size >= 1, "kv_block_size", ">= 1", self.kv_block_size)
+        if self.attention_backend == "flash-attn":
+            check_field(self.kv_block_size % 256 == 0, "kv_block_size",
+                        "a multiple of 256 with attention_backend='flash-attn'",
+                        self.kv_block_size)
+        check_field(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                    "in (0, 1]", self.gpu_memory_utilization)
+        check_field(self.max_waiting_requests >= 1, "max_waiting_requests", ">= 1",
+                    self.max_waiting_requests)
+        if self.num_kv_blocks is not None:
+            # One sequence of max_model_len tokens must fit, or it could never finish.
+            need = -(-self.max_model_len // self.kv_block_size)
+            check_field(self.num_kv_blocks >= need, "num_kv_blocks",
+                        f">= {need} (max_model_len={self.max_model_len} / "
+                        f"kv_block_size={self.kv_block_size}, rounded up)", self.num_kv_blocks)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.kv_block_size)

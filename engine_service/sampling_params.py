@@ -1,0 +1,76 @@
+"""Sampling parameters: the one place their values are checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_LOGPROBS = 20
+
+
+def check_field(ok: bool, field_name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; defaults follow vLLM's SamplingParams.
+
+    temperature 0 means greedy. top_k <= 0 turns top-k off. seed None draws a random seed
+    when the request enters the engine.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        check_field(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               "max_tokens", ">= 1", self.max_tokens)
+        check_field(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        check_field(self.temperature >= 0, "temperature", ">= 0 (0 = greedy)", self.temperature)
+        check_field(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        check_field(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+               ">= 1, or 0 / -1 for off", self.top_k)
+        check_field(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        check_field(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               "seed", "in [0, 2**63)", self.seed)
+        check_field(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 = off)",
+               self.repetition_penalty)
+        check_field(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]",
+               self.presence_penalty)
+        check_field(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]",
+               self.frequency_penalty)
+        check_field(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"a list of at most {MAX_STOP_STRINGS} strings", f"{len(self.stop)} strings")
+        for s in self.stop:
+            check_field(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_STRING_LEN, "stop",
+                   f"strings of 1..{MAX_STOP_STRING_LEN} characters", s)
+        for t in self.stop_token_ids:
+            check_field(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative ints", t)
+        check_field(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"in [0, {MAX_LOGPROBS}] or unset", self.logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,59 @@
+"""Append measured figures to benchmarks/RESULTS.md with date, hardware, command, commit."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def hardware() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            return f"{n}x {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"CPU {cpu} ({os.cpu_count()} cores)"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=RESULTS.parent, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=RESULTS.parent).stdout
+        return out + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def record(title: str, figures: dict[str, str], path: Path | None = None) -> None:
+    """One entry per run: a heading, the figures, and how to reproduce them."""
+    path = path or RESULTS
+    cmd = "nanoserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    lines = [f"\n### {title} — {dt.date.today().isoformat()}\n",
+             f"- hardware: {hardware()}", f"- commit: {commit()}", f"- command: `{cmd}`"]
+    lines += [f"- {k}: {v}" for k, v in figures.items()]
+    if not path.exists():
+        path.write_text("# Benchmark results\n\nEvery figure with its date, hardware, command "
+                        "and commit. Newest entries at the bottom.\n")
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")

@@ -1,0 +1,95 @@
+'use strict';
+// Runs against a live engine or router: NANOSERVE_TARGET=HOST:PORT (required: without it
+// these tests fail, they never skip). NANOSERVE_EXPECT_JSON=FILE (optional) names a JSON
+// file written by the Python side: {"prompt", "sampling", "token_ids", "text"}; the stream
+// must reproduce its token ids and text exactly.
+
+const { test } = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const {
+  Client, buildRequest, InvalidArgument, DeadlineExceeded, NanoserveError,
+} = require('..');
+
+const TARGET = process.env.NANOSERVE_TARGET;
+const EXPECT_JSON = process.env.NANOSERVE_EXPECT_JSON;
+const DEFAULT_SPEC = { prompt: 'Hello', sampling: { max_tokens: 8, temperature: 0 } };
+
+function requireTarget() {
+  assert.ok(TARGET, 'set NANOSERVE_TARGET=HOST:PORT of a running nanoserve engine or router');
+  return new Client(TARGET, { timeout: 120 });
+}
+
+test('buildRequest maps prompts and options onto the proto', () => {
+  assert.equal(buildRequest('hi').text, 'hi');
+  assert.deepEqual(buildRequest([1, 2, 3]).token_ids, { ids: [1, 2, 3] });
+  const chat = buildRequest([{ role: 'user', content: 'hi' }], { request_id: 'r1' });
+  assert.deepEqual(chat.messages, { messages: [{ role: 'user', content: 'hi' }] });
+  assert.equal(chat.request_id, 'r1');
+  const req = buildRequest('x', { max_tokens: 4, stop: 'END', temperature: null });
+  assert.deepEqual(req.sampling, { max_tokens: 4, stop: ['END'] });
+  assert.throws(() => buildRequest('x', { max_token: 4 }), /unknown option\(s\): max_token/);
+  assert.throws(() => buildRequest([1, 'a']), TypeError);
+});
+
+test('stream reproduces the expected greedy tokens and equals generate', async () => {
+  const client = requireTarget();
+  const spec = EXPECT_JSON ? JSON.parse(fs.readFileSync(EXPECT_JSON, 'utf8')) : DEFAULT_SPEC;
+  try {
+    const chunks = [];
+    for await (const chunk of client.stream(spec.prompt, spec.sampling)) chunks.push(chunk);
+    const ids = chunks.flatMap((c) => c.token_ids);
+    const text = chunks.map((c) => c.text).join('');
+    const last = chunks[chunks.length - 1];
+    assert.ok(['stop', 'length'].includes(last.finish_reason), `finish ${last.finish_reason}`);
+    assert.equal(last.usage.completion_tokens, ids.length);
+    assert.ok(chunks.slice(0, -1).every((c) => c.finish_reason === null && c.usage === null));
+    if (spec.token_ids !== undefined) {
+      assert.deepEqual(ids, spec.token_ids);
+      assert.equal(text, spec.text);
+    }
+    const whole = await client.generate(spec.prompt, spec.sampling);
+    assert.deepEqual(whole.token_ids, ids);
+    assert.equal(whole.text, text);
+    assert.equal(whole.finish_reason, last.finish_reason);
+  } finally {
+    client.close();
+  }
+});
+
+test('leaving a stream early cancels it without crashing', async () => {
+  const client = requireTarget();
+  try {
+    const requestId = `node-early-close-${process.pid}`;
+    let seen = 0;
+    const options = { max_tokens: 200, ignore_eos: true, temperature: 0, request_id: requestId };
+    for await (const chunk of client.stream('Hello', options)) {
+      seen += chunk.token_ids.length;
+      break;
+    }
+    assert.ok(seen >= 1);
+    // The channel still works after the cancellation.
+    const result = await client.generate('Hello', { max_tokens: 2, temperature: 0 });
+    assert.ok(result.token_ids.length >= 1);
+  } finally {
+    client.close();
+  }
+});
+
+test('server errors become typed errors', async () => {
+  const client = requireTarget();
+  try {
+    await assert.rejects(client.generate('Hello', { max_tokens: 0 }), (err) => {
+      assert.ok(err instanceof InvalidArgument, `got ${err}`);
+      assert.ok(err instanceof NanoserveError);
+      assert.equal(err.code, 'INVALID_ARGUMENT');
+      assert.match(err.details, /max_tokens/);
+      return true;
+    });
+    // A deadline that has already passed fails on the client side, whatever the server.
+    await assert.rejects(client.generate('Hello', { max_tokens: 4, timeout: -1 }),
+                         DeadlineExceeded);
+  } finally {
+    client.close();
+  }
+});

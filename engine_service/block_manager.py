@@ -1,0 +1,220 @@
+"""Paged KV blocks with a chained, ref-counted prefix cache and the KV events routers follow."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+from engine_service.block_hash import hash_block
+from engine_service.sequence import Sequence
+
+EVENT_KINDS = ("stored", "removed")
+
+
+@dataclass
+class KvEvent:
+    kind: Literal["stored", "removed"]
+    block_hashes: list[int]
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"kind must be one of {EVENT_KINDS}, got {self.kind!r}")
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # what block_hash was computed from, to confirm a hit
+
+
+class BlockManager:
+    """Blocks `0..num_blocks-1`. Invariants (see check_consistency): a block is in the free
+    list iff its ref_count is 0; a block has a hash iff the hash table maps that hash to it.
+
+    Recomputed (preempted) sequences look up the prefix cache over all their known tokens
+    (prompt + outputs so far), since those are what must be recomputed.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        # Ref-0 blocks in reuse order (front = next to reuse). Hashed blocks keep their hash
+        # here until reused, so the order is least recently freed first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._events: list[KvEvent] = []
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def cached_block_hashes(self) -> list[int]:
+        return list(self.hash_to_block)
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens `seq` would get from the prefix cache if allocated now (block-aligned).
+
+        Leaves at least one token to compute, since the last token's logits must be produced.
+        Only fills seq.block_hashes (a memo); the cache itself is untouched.
+        """
+        return len(self._cache_hits(seq)) * self.block_size
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        revived, fresh = self._blocks_needed(seq, num_new_tokens)
+        return revived + fresh <= len(self.free_blocks)
+
+    # -- mutations -------------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make seq.block_table cover num_computed_tokens + num_new_tokens (after cache hits
+        for a sequence without blocks). Raises RuntimeError, changing nothing, if it cannot."""
+        if seq.block_table:
+            hits, computed = [], seq.num_computed_tokens
+        else:
+            hits = self._cache_hits(seq)
+            computed = len(hits) * self.block_size
+        if num_new_tokens < 1 or computed + num_new_tokens > seq.num_tokens:
+            raise ValueError(f"cannot allocate {num_new_tokens} new tokens for {seq.seq_id!r}: "
+                             f"{computed} of its {seq.num_tokens} tokens are computed")
+        if not self.can_allocate(seq, num_new_tokens):
+            raise RuntimeError(f"not enough free KV blocks for {num_new_tokens} tokens of "
+                               f"{seq.seq_id!r} ({len(self.free_blocks)} free)")
+        if not seq.block_table:
+            for block_id in hits:
+                self._ref(block_id)
+            seq.block_table.extend(hits)
+            seq.num_hashed_blocks = len(hits)
+            seq.num_computed_tokens = computed
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = computed
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        for _ in range(need - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks that are now full and fully computed, as one `stored` batch."""
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        stored: list[int] = []
+        for i in range(seq.num_hashed_blocks, num_full):
+            block_hash = self._block_hash(seq, i)
+            if block_hash in self.hash_to_block:
+                # Another sequence computed the same block concurrently (or xxh3 collided):
+                # the existing entry stays, this block just stays private and unhashed.
+                continue
+            block = self.blocks[seq.block_table[i]]
+            block.block_hash = block_hash
+            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            self.hash_to_block[block_hash] = block.block_id
+            stored.append(block_hash)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+        if stored:
+            self._record("stored", stored)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's refs tail first, so its tail blocks are reused before its head blocks
+        (a later request is likelier to share the head). Unhashed blocks hold nothing
+        reusable and go to the front of the free list, ahead of every cached block."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.block_hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table.clear()
+        seq.num_hashed_blocks = 0
+
+    def take_events(self) -> list[KvEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # -- checks for tests ------------------------------------------------------------------
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError if an invariant is broken (explicit raise: survives -O)."""
+        for block in self.blocks:
+            in_free = block.block_id in self.free_blocks
+            if block.ref_count < 0 or (block.ref_count == 0) != in_free:
+                raise AssertionError(f"block {block.block_id}: ref_count={block.ref_count}, "
+                                     f"in free list={in_free}")
+            if block.block_hash is not None and \
+                    self.hash_to_block.get(block.block_hash) != block.block_id:
+                raise AssertionError(f"block {block.block_id} has a hash the table lacks")
+        for block_hash, block_id in self.hash_to_block.items():
+            if self.blocks[block_id].block_hash != block_hash:
+                raise AssertionError(f"hash table entry {block_hash} -> {block_id} is stale")
+
+    def all_free(self) -> bool:
+        return len(self.free_blocks) == self.num_blocks and \
+            all(b.ref_count == 0 for b in self.blocks)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _block_hash(self, seq: Sequence, i: int) -> int:
+        """Chained hash of seq's full block i, memoized in seq.block_hashes."""
+        bs, hashes = self.block_size, seq.block_hashes
+        while len(hashes) <= i:
+            j = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     seq.token_ids[j * bs:(j + 1) * bs]))
+        return hashes[i]
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        bs = self.block_size
+        hits: list[int] = []
+        for i in range((seq.num_tokens - 1) // bs):
+            block_id = self.hash_to_block.get(self._block_hash(seq, i))
+            if block_id is None or \
+                    self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
+        """(cached free blocks a hit would revive, fresh blocks) to take from the free list."""
+        if seq.block_table:
+            have, revived, computed = len(seq.block_table), 0, seq.num_computed_tokens
+        else:
+            hits = self._cache_hits(seq)
+            have, computed = len(hits), len(hits) * self.block_size
+            revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = -(-(computed + num_new_tokens) // self.block_size)
+        return revived, max(0, need - have)
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]  # a hit revives it: its hash stays valid
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.hash_to_block[block.block_hash]
+            self._record("removed", [block.block_hash])
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def _record(self, kind: Literal["stored", "removed"], block_hashes: list[int]) -> None:
+        # Merge into the previous event of the same kind: order is preserved, batches shrink.
+        if self._events and self._events[-1].kind == kind:
+            self._events[-1].block_hashes.extend(block_hashes)
+        else:
+            self._events.append(KvEvent(kind, list(block_hashes)))

@@ -1,0 +1,139 @@
+"""The engine core process: owns the LLMEngine and runs the step loop.
+
+The gRPC frontend lives in another process so token streaming never steals the
+interpreter from the step loop, and a step never blocks the RPCs. They talk over two one-way
+multiprocessing pipes (one reader and one writer on each end, so no locking):
+
+  frontend -> core: AddRequest | AbortRequest | Shutdown
+  core -> frontend: CoreReady (once, after the model loaded) | CoreFailed | StepOutputs
+                    (per step: request outputs, KV events, load) | AddRejected
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from engine_service.block_manager import KvEvent
+from engine_service.config import EngineConfig
+from engine_service.engine import RequestOutput
+from engine_service.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_SECONDS = 0.5
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class LoadSnapshot:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_in_flight: int = 0
+
+
+@dataclass
+class CoreReady:
+    model_info: dict
+    cached_block_hashes: list[int]
+    load: LoadSnapshot
+
+
+@dataclass
+class CoreFailed:
+    error: str
+
+
+@dataclass
+class AddRejected:
+    request_id: str
+    error: str
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    kv_events: list[KvEvent] = field(default_factory=list)
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    aborted: list[str] = field(default_factory=list)
+
+
+def _load(engine) -> LoadSnapshot:
+    s, bm = engine.scheduler, engine.block_manager
+    return LoadSnapshot(s.num_running, s.num_waiting, bm.num_used_blocks, bm.num_blocks,
+                        s.tokens_in_flight())
+
+
+def run_core(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
+    """Entry point of the core process."""
+    # The frontend decides when to stop (SIGTERM drains there); the core follows the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
+    try:
+        from engine_service.engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except Exception:
+        outputs.send(CoreFailed(traceback.format_exc()))
+        return
+    outputs.send(CoreReady(engine.model_info(), engine.cached_block_hashes(), _load(engine)))
+    try:
+        _loop(engine, requests, outputs)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the frontend went away: nothing left to serve
+    except Exception:
+        logger.exception("engine core failed")
+        with contextlib.suppress(OSError):
+            outputs.send(CoreFailed(traceback.format_exc()))
+    finally:
+        engine.shutdown()
+
+
+def _loop(engine, requests: Connection, outputs: Connection) -> None:
+    while True:
+        # Block only when there is nothing to step; otherwise just drain what arrived.
+        timeout = 0 if engine.has_unfinished() else IDLE_POLL_SECONDS
+        aborted: list[str] = []
+        changed = False
+        while requests.poll(timeout):
+            msg = requests.recv()
+            timeout = 0
+            changed = True
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, AbortRequest):
+                if engine.abort(msg.request_id):
+                    aborted.append(msg.request_id)
+            elif isinstance(msg, AddRequest):
+                try:
+                    engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
+                except ValueError as e:
+                    outputs.send(AddRejected(msg.request_id, str(e)))
+        step_outputs = engine.step() if engine.has_unfinished() else []
+        events = engine.take_kv_events()
+        if step_outputs or events or aborted or changed:
+            outputs.send(StepOutputs(step_outputs, events, _load(engine), aborted))

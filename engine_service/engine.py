@@ -1,0 +1,142 @@
+"""LLMEngine: the step loop shared by the offline `LLM` and the core process.
+
+add_request / abort / step. Requests come in as token ids (tokenization and detokenization
+belong to the caller: `LLM` here, the gRPC frontend in the service)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass, field
+
+from engine_service.block_hash import HASH_SCHEME
+from engine_service.block_manager import BlockManager, KvEvent
+from engine_service.config import EngineConfig
+from engine_service.sampling_params import SamplingParams, check_field
+from engine_service.scheduler import Scheduler
+from engine_service.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the tokens it added, and on the last
+    output of a request its finish reason and token counts."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[float, list[int], list[float]] | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    seconds: float = 0.0
+
+
+def validate_prompt(prompt_token_ids: SequenceT[int], max_model_len: int, vocab_size: int
+                    ) -> None:
+    """Raise ValueError naming the field and the allowed range; changes nothing."""
+    n = len(prompt_token_ids)
+    check_field(n >= 1, "prompt", "non-empty", "an empty prompt")
+    limit = max_model_len - 1
+    check_field(n <= limit, "prompt",
+                f"at most max_model_len - 1 = {limit} tokens (room for one output token)",
+                f"{n} tokens")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    check_field(not bad, "prompt_token_ids", f"ids in [0, {vocab_size})", bad[:5])
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from engine_service.model_runner import ModelRunner
+
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        mc = self.model_runner.model_config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = list(mc.eos_token_id)
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.kv_block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
+        self.last_stats = StepStats()
+
+    # ---------------------------------------------------------------- requests
+
+    def validate_prompt(self, prompt_token_ids: SequenceT[int]) -> None:
+        validate_prompt(prompt_token_ids, self.config.max_model_len, self.vocab_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: SequenceT[int],
+                    sampling_params: SamplingParams) -> Sequence:
+        self.validate_prompt(prompt_token_ids)
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request_id must be unique among requests in flight, "
+                             f"got duplicate {request_id!r}")
+        seq = Sequence(request_id, list(prompt_token_ids), sampling_params)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def shutdown(self) -> None:
+        self.model_runner.shutdown()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.model_runner.execute(sched.scheduled, self.eos_token_ids)
+        prefill = sum(s.num_new_tokens for s in sched.scheduled if not self._is_decode(s))
+        self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
+                                    time.perf_counter() - t0)
+        finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids)}
+        outputs = []
+        for item, token, lp in zip(sched.scheduled, result.token_ids, result.logprobs,
+                                   strict=True):
+            seq = item.seq
+            if token is None and seq.seq_id not in finished:
+                continue
+            outputs.append(RequestOutput(
+                request_id=seq.seq_id,
+                new_token_ids=[] if token is None else [token],
+                new_logprobs=[] if token is None else [lp],
+                finished=seq.seq_id in finished,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                num_output_tokens=seq.num_output_tokens))
+        return outputs
+
+    @staticmethod
+    def _is_decode(item) -> bool:
+        return item.num_new_tokens == 1 and item.seq.num_output_tokens > 0
+
+    # ---------------------------------------------------------------- KV events / load
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return self.block_manager.take_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.block_manager.cached_block_hashes()
+
+    def model_info(self) -> dict:
+        mc = self.model_runner.model_config
+        return dict(architecture=(mc.architectures or ["Qwen3ForCausalLM"])[0],
+                    max_model_len=self.config.max_model_len,
+                    kv_block_size=self.config.kv_block_size, hash_scheme=HASH_SCHEME,
+                    vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    num_kv_blocks=self.block_manager.num_blocks)

@@ -1,0 +1,363 @@
+"""gRPC frontend of an engine: validation, tokenization, the request registry,
+incremental detokenization and stop strings, KV-event fan-out, load reporting.
+
+Runs on one asyncio loop in the server process; a reader thread hands every message of
+the core process to the loop, so all registry state is touched from the loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import grpc
+
+from engine_service import core_process as core
+from engine_service.detokenizer import IncrementalDetokenizer
+from engine_service.engine import RequestOutput, validate_prompt
+from engine_service.metrics import EngineMetrics
+from engine_service.proto_convert import (
+    FINISH_REASONS,
+    logprob_to_proto,
+    sampling_params_from_proto,
+    stop_reason_to_str,
+)
+from engine_service.sampling_params import SamplingParams
+from engine_service.tokenizer import TOKENIZER_FILES, Tokenizer
+from nanoserve.v1 import nanoserve_pb2 as pb
+from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+KV_EVENT_HISTORY = 4096  # batches kept for SubscribeKvEvents resumption
+TOKENIZER_PIECE_BYTES = 1 << 20
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+    done: bool = False
+
+
+class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
+    def __init__(self, *, model_dir: str, engine_id: str, requests: Connection,
+                 outputs: Connection, max_in_flight: int, metrics: EngineMetrics):
+        self.model_dir = model_dir
+        self.engine_id = engine_id
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self._requests = requests
+        self._outputs = outputs
+        self.max_in_flight = max_in_flight
+        self.metrics = metrics
+        self.registry: dict[str, RequestState] = {}
+        self.model_info: dict | None = None
+        self.load = core.LoadSnapshot()
+        self.accepting = True
+        self.core_error: str | None = None
+        self.ready = asyncio.Event()
+        self.core_gone = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        # KV events: a mirror of the engine's cached hashes plus recent batches for resume.
+        self.cached_hashes: set[int] = set()
+        self.kv_seq = 0
+        self.kv_history: collections.deque[pb.KvEventBatch] = collections.deque(
+            maxlen=KV_EVENT_HISTORY)
+        self.kv_subscribers: set[asyncio.Queue] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------ core connection
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read_core, name="core-reader", daemon=True).start()
+
+    def _read_core(self) -> None:
+        while True:
+            try:
+                msg = self._outputs.recv()
+            except (EOFError, OSError):
+                msg = core.CoreFailed("engine core process exited")
+            self._loop.call_soon_threadsafe(self._on_core_message, msg)
+            if isinstance(msg, core.CoreFailed):
+                return
+
+    def _send(self, msg) -> None:
+        try:
+            self._requests.send(msg)
+        except (OSError, ValueError):
+            self._on_core_message(core.CoreFailed("engine core process is gone"))
+
+    def _on_core_message(self, msg) -> None:
+        if isinstance(msg, core.StepOutputs):
+            self.load = msg.load
+            self.metrics.observe_load(msg.load)
+            for out in msg.outputs:
+                state = self.registry.get(out.request_id)
+                if state is not None:
+                    state.queue.put_nowait(out)
+            for rid in msg.aborted:
+                state = self.registry.get(rid)
+                if state is not None:
+                    state.queue.put_nowait(RequestOutput(rid, [], finished=True,
+                                                         finish_reason="abort"))
+            for event in msg.kv_events:
+                self._publish_kv_event(event.kind, event.block_hashes)
+        elif isinstance(msg, core.CoreReady):
+            self.model_info = msg.model_info
+            self.load = msg.load
+            if msg.cached_block_hashes:
+                self._publish_kv_event("stored", msg.cached_block_hashes)
+            self.ready.set()
+        elif isinstance(msg, core.AddRejected):
+            state = self.registry.get(msg.request_id)
+            if state is not None:
+                state.queue.put_nowait(msg)
+        elif isinstance(msg, core.CoreFailed):
+            if self.core_error is None:
+                logger.error("engine core failed: %s", msg.error)
+            self.core_error = msg.error
+            self.core_gone.set()
+            for state in self.registry.values():
+                state.queue.put_nowait(msg)
+
+    # ------------------------------------------------------------ KV events
+
+    def _publish_kv_event(self, kind: str, hashes: list[int]) -> None:
+        self.kv_seq += 1
+        stored = hashes if kind == "stored" else []
+        removed = hashes if kind == "removed" else []
+        self.cached_hashes.update(stored)
+        self.cached_hashes.difference_update(removed)
+        batch = pb.KvEventBatch(sequence_number=self.kv_seq, block_hashes_stored=stored,
+                                block_hashes_removed=removed,
+                                kv_block_size=self._block_size())
+        self.kv_history.append(batch)
+        for q in self.kv_subscribers:
+            q.put_nowait(batch)
+
+    def _block_size(self) -> int:
+        return int(self.model_info["kv_block_size"]) if self.model_info else 0
+
+    def _kv_snapshot(self) -> pb.KvEventBatch:
+        return pb.KvEventBatch(sequence_number=self.kv_seq, snapshot=True,
+                               block_hashes_stored=sorted(self.cached_hashes),
+                               kv_block_size=self._block_size())
+
+    # ------------------------------------------------------------ request intake
+
+    async def _abort_rpc(self, context, code: grpc.StatusCode, message: str):
+        self.metrics.requests.labels(outcome=code.name.lower()).inc()
+        await context.abort(code, message)
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self.tokenizer.encode(request.text)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "messages":
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            if not msgs:
+                raise ValueError("messages must hold at least one message, got none")
+            return self.tokenizer.encode_chat(msgs)
+        raise ValueError("prompt must be one of text, token_ids or messages, got none")
+
+    async def _submit(self, request: pb.GenerateRequest, context) -> RequestState:
+        if self.core_error is not None:
+            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
+                                  "engine core is not running")
+        if not self.accepting:
+            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
+                                  "engine is draining and takes no new requests")
+        if not self.ready.is_set():
+            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
+                                  "engine is still loading the model")
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            if rid in self.registry:
+                raise ValueError(f"request_id must be unique among requests in flight, "
+                                 f"got duplicate {rid!r}")
+            params = sampling_params_from_proto(request.sampling)
+            ids = self._prompt_ids(request)
+            validate_prompt(ids, self.model_info["max_model_len"], self.model_info["vocab_size"])
+        except ValueError as e:
+            await self._abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if len(self.registry) >= self.max_in_flight:
+            await self._abort_rpc(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"the engine's queue is full ({self.max_in_flight} requests "
+                                  f"in flight); retry later")
+        state = RequestState(rid, params, len(ids), IncrementalDetokenizer(
+            self.tokenizer, ids, params.skip_special_tokens, params.stop))
+        self.registry[rid] = state
+        self.idle.clear()
+        self._send(core.AddRequest(rid, ids, params))
+        return state
+
+    def _release(self, state: RequestState) -> None:
+        if not state.done:  # cancelled, expired, or ended by a stop string: free its blocks
+            self._send(core.AbortRequest(state.request_id))
+        self.registry.pop(state.request_id, None)
+        if not self.registry:
+            self.idle.set()
+
+    # ------------------------------------------------------------ chunks
+
+    async def _chunks(self, state: RequestState, context) -> AsyncIterator[pb.GenerateChunk]:
+        """One chunk per wake-up, holding every token that arrived since the last one."""
+        while not state.done:
+            items = [await state.queue.get()]
+            while not state.queue.empty():
+                items.append(state.queue.get_nowait())
+            chunk = pb.GenerateChunk(request_id=state.request_id, engine_id=self.engine_id)
+            for item in items:
+                if isinstance(item, core.AddRejected):
+                    await self._abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, item.error)
+                if isinstance(item, core.CoreFailed):
+                    await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
+                                          "engine core failed while serving the request")
+                if self._apply_output(state, item, chunk):
+                    break
+            if chunk.token_ids or chunk.text or state.done:
+                yield chunk
+
+    def _apply_output(self, state: RequestState, out: RequestOutput,
+                      chunk: pb.GenerateChunk) -> bool:
+        """Add one step's output to the chunk; True when the request has ended."""
+        now = time.perf_counter()
+        if out.new_token_ids:
+            if state.last_token_time is None:
+                self.metrics.ttft.observe(now - state.arrival)
+            else:
+                self.metrics.itl.observe((now - state.last_token_time) / len(out.new_token_ids))
+            state.last_token_time = now
+            state.num_output_tokens += len(out.new_token_ids)
+        chunk.token_ids.extend(out.new_token_ids)
+        for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=False):
+            if lp is not None:
+                chunk.logprobs.append(logprob_to_proto(token, lp))
+        upd = state.detok.update(out.new_token_ids)
+        chunk.text += upd.text_delta
+        if upd.stopped:
+            self._finish(state, chunk, "stop", upd.stop_string, out)
+        elif out.finished:
+            chunk.text += state.detok.finish()
+            state.done = True  # the core already freed it
+            self._finish(state, chunk, out.finish_reason, out.stop_reason, out)
+        return state.done
+
+    def _finish(self, state: RequestState, chunk: pb.GenerateChunk, reason: str | None,
+                stop_reason, out: RequestOutput) -> None:
+        chunk.finish_reason = FINISH_REASONS[reason]
+        chunk.stop_reason = stop_reason_to_str(stop_reason)
+        chunk.usage.CopyFrom(pb.Usage(prompt_tokens=state.num_prompt_tokens,
+                                      completion_tokens=state.num_output_tokens,
+                                      cached_prompt_tokens=out.num_cached_tokens))
+        if out.num_cached_tokens:
+            self.metrics.prefix_hit_tokens.inc(out.num_cached_tokens)
+        self.metrics.requests.labels(outcome=reason or "abort").inc()
+        if reason == "stop" and not out.finished:
+            self._release(state)  # a stop string: abort in the core now
+        state.done = True
+
+    # ------------------------------------------------------------ Generation service
+
+    async def Stream(self, request, context):
+        state = await self._submit(request, context)
+        try:
+            async for chunk in self._chunks(state, context):
+                yield chunk
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(outcome="cancelled").inc()
+            raise
+        finally:
+            self._release(state)
+
+    async def Generate(self, request, context):
+        state = await self._submit(request, context)
+        resp = pb.GenerateResponse(request_id=state.request_id, engine_id=self.engine_id)
+        try:
+            async for chunk in self._chunks(state, context):
+                resp.token_ids.extend(chunk.token_ids)
+                resp.text += chunk.text
+                resp.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason:
+                    resp.finish_reason = chunk.finish_reason
+                    resp.stop_reason = chunk.stop_reason
+                    resp.usage.CopyFrom(chunk.usage)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(outcome="cancelled").inc()
+            raise
+        finally:
+            self._release(state)
+        return resp
+
+    # ------------------------------------------------------------ Engine service
+
+    async def GetModelInfo(self, request, context):
+        await self._wait_ready(context)
+        info = self.model_info
+        return pb.ModelInfo(model_name=Path(self.model_dir).name, engine_id=self.engine_id,
+                            architecture=info["architecture"],
+                            max_model_len=info["max_model_len"],
+                            kv_block_size=info["kv_block_size"],
+                            hash_scheme=info["hash_scheme"], vocab_size=info["vocab_size"],
+                            eos_token_ids=info["eos_token_ids"],
+                            tensor_parallel_size=info["tensor_parallel_size"],
+                            num_kv_blocks=info["num_kv_blocks"])
+
+    async def GetLoad(self, request, context):
+        ld = self.load
+        return pb.Load(num_running=ld.num_running, num_waiting=ld.num_waiting,
+                       kv_blocks_used=ld.kv_blocks_used, kv_blocks_total=ld.kv_blocks_total,
+                       tokens_in_flight=ld.tokens_in_flight,
+                       accepting=self.accepting and self.core_error is None)
+
+    async def SubscribeKvEvents(self, request, context):
+        await self._wait_ready(context)
+        queue: asyncio.Queue = asyncio.Queue()
+        after = request.after_sequence_number
+        oldest = self.kv_history[0].sequence_number if self.kv_history else self.kv_seq + 1
+        # Resume only when every batch after `after` is still held; otherwise re-snapshot.
+        if after and oldest - 1 <= after <= self.kv_seq:
+            backlog = [b for b in self.kv_history if b.sequence_number > after]
+        else:
+            backlog = [self._kv_snapshot()]
+        self.kv_subscribers.add(queue)  # no await since the backlog: nothing is missed
+        try:
+            for batch in backlog:
+                yield batch
+            while True:
+                yield await queue.get()
+        finally:
+            self.kv_subscribers.discard(queue)
+
+    async def GetTokenizer(self, request, context):
+        for name in TOKENIZER_FILES:
+            path = Path(self.model_dir) / name
+            if not path.is_file():
+                continue
+            data = path.read_bytes()
+            for start in range(0, max(len(data), 1), TOKENIZER_PIECE_BYTES):
+                piece = data[start:start + TOKENIZER_PIECE_BYTES]
+                last = start + TOKENIZER_PIECE_BYTES >= len(data)
+                yield pb.TokenizerFile(name=name, content=piece, last=last)
+
+    async def _wait_ready(self, context) -> None:
+        if not self.ready.is_set():
+            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
+                                  "engine is still loading the model")

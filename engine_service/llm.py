@@ -1,0 +1,117 @@
+"""Offline batch generation: `LLM(model_dir, **engine_config).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from engine_service.config import EngineConfig
+from engine_service.detokenizer import IncrementalDetokenizer
+from engine_service.engine import LLMEngine
+from engine_service.sampling_params import SamplingParams
+from engine_service.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, model: str, **engine_config):
+        self.config = EngineConfig(model=model, **engine_config)
+        self.engine = LLMEngine(self.config)
+        # A --load-format dummy directory may hold only config.json: token-id prompts only.
+        has_tok = os.path.isfile(os.path.join(model, "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_dir(model) if has_tok else None
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | SequenceT[Prompt],
+                 sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
+                             f"({len(prompts)}), got {len(sampling_params)}")
+        if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be token-id lists: this model directory has no "
+                             "tokenizer")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                       for p in prompts]
+        for ids in token_lists:  # all checked before any is added: no state left behind
+            self.engine.validate_prompt(ids)
+
+        outputs: dict[str, CompletionOutput] = {}
+        detoks: dict[str, IncrementalDetokenizer] = {}
+        order: list[str] = []
+        for ids, sp in zip(token_lists, sampling_params, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, ids, sp)
+            outputs[rid] = CompletionOutput(rid, ids)
+            if self.tokenizer is not None:
+                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids,
+                                                     sp.skip_special_tokens, sp.stop)
+            order.append(rid)
+        try:
+            self._run(outputs, detoks, use_tqdm)
+        finally:
+            for rid in order:  # on an error (or Ctrl-C) leave nothing behind in the engine
+                self.engine.abort(rid)
+        return [outputs[rid] for rid in order]
+
+    def _run(self, outputs: dict[str, CompletionOutput],
+             detoks: dict[str, IncrementalDetokenizer], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(outputs), desc="Generating", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        prefill_tps = decode_tps = 0.0
+        pending = set(outputs)
+        while pending:
+            t0 = time.perf_counter()
+            step_outputs = self.engine.step()
+            dt = max(time.perf_counter() - t0, 1e-9)
+            stats = self.engine.last_stats
+            if stats.num_prefill_tokens:
+                prefill_tps = stats.num_prefill_tokens / dt
+            if stats.num_decode_tokens:
+                decode_tps = stats.num_decode_tokens / dt
+            for ro in step_outputs:
+                if ro.request_id not in pending:
+                    continue
+                out, detok = outputs[ro.request_id], detoks.get(ro.request_id)
+                out.token_ids.extend(ro.new_token_ids)
+                out.logprobs.extend(x for x in ro.new_logprobs if x is not None)
+                out.num_cached_tokens = ro.num_cached_tokens
+                upd = detok.update(ro.new_token_ids) if detok is not None else None
+                if upd is not None and upd.stopped:
+                    self.engine.abort(ro.request_id)
+                    out.finish_reason, out.stop_reason = "stop", upd.stop_string
+                elif ro.finished:
+                    if detok is not None:
+                        detok.finish()
+                    out.finish_reason, out.stop_reason = ro.finish_reason, ro.stop_reason
+                if out.finish_reason is not None:
+                    out.text = detok.output_text if detok is not None else ""
+                    pending.discard(ro.request_id)
+                    bar.update(1)
+            bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s",
+                            refresh=False)
+        bar.close()

@@ -1,0 +1,283 @@
+"""Model runner: owns the model, the paged KV cache and the sampler; turns one scheduled
+batch into flat tensors, runs the forward pass and samples on the device."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.config import EngineConfig
+from engine_service.scheduler import ScheduledSeq
+from models.attention_metadata import AttentionMetadata
+from models.backends import get_attention_backend
+from models.config import Qwen3Config
+from models.layers.sampler import Sampler, SamplingTensors
+from models.loader import init_dummy_weights, load_weights
+from models.qwen3 import Qwen3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when --num-kv-blocks is not given
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    """What one forward pass produced, on the host. Rows follow the scheduled order; rows
+    that did not sample (mid-prompt chunks) hold None."""
+
+    token_ids: list[int | None]
+    logprobs: list[tuple[float, list[int], list[float]] | None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device must be 'cpu' or 'auto' here: CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU bf16 matmuls are slow and the reference checks are fp32
+    cfg = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    return _DTYPES.get(cfg, torch.bfloat16)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+        self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
+        self.model_config = Qwen3Config.from_dir(config.model)
+        self.block_size = config.kv_block_size
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = Qwen3ForCausalLM(self.model_config, self.backend)
+            finally:
+                torch.set_default_dtype(prev)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.vocab_size = self.model_config.vocab_size
+
+        self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.graph_runner = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from engine_service.cuda_graphs import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self)
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (TP ranks, graphs)."""
+        self.graph_runner = None
+
+    # ---------------------------------------------------------------- KV cache
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.model_config
+        from models.parallel import get_tp_size
+
+        kv_heads = max(1, c.num_key_value_heads // get_tp_size())
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * kv_heads * c.head_dim * elem
+
+    def _decide_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        need = self.config.max_blocks_per_seq
+        if self.device.type == "cpu":
+            return max(need, CPU_KV_CACHE_BYTES // self.kv_bytes_per_block)
+        free_bytes = self._profile_free_bytes()
+        blocks = int(free_bytes // self.kv_bytes_per_block)
+        if blocks < need:
+            raise ValueError(
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves room for "
+                f"{blocks} KV blocks, but one max_model_len sequence needs {need}; raise it or "
+                f"lower max_model_len")
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_free_bytes(self) -> int:
+        """Run the largest batch without a cache and see what the activations take."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.config.max_model_len, num_tokens)
+        lens = [seq_len] * (num_tokens // seq_len)
+        if num_tokens % seq_len:
+            lens.append(num_tokens % seq_len)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        meta = self._no_cache_metadata(lens)
+        hidden = self.model(input_ids, positions, meta)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - used_by_others - peak
+        del hidden
+        torch.cuda.empty_cache()
+        return max(0, int(budget))
+
+    def _no_cache_metadata(self, lens: list[int]) -> AttentionMetadata:
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.full((cu[-1],), -1, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((len(lens), 1), dtype=torch.int32, device=dev),
+            max_query_len=max(lens), max_seq_len=max(lens),
+            seq_lens_cpu=lens, cu_seqlens_q_cpu=cu, decode_only=False)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        c = self.model_config
+        from models.parallel import get_tp_size
+
+        kv_heads = max(1, c.num_key_value_heads // get_tp_size())
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, kv_heads,
+                            c.head_dim, dtype=self.dtype, device=self.device)
+        for layer, attn in enumerate(self.model.attention_layers()):
+            attn.kv_cache = cache[layer]
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    cache.numel() * cache.element_size() / 2**20)
+        return cache
+
+    # ---------------------------------------------------------------- batch building
+
+    def prepare_inputs(self, batch: list[ScheduledSeq]):
+        """Flatten a mixed batch (decode rows, prefills, prefix-cached prefills, chunks)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu_seqlens_q = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for item in batch:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.sample:
+                logits_indices.append(cu_seqlens_q[-1] - 1)
+        max_blocks = max(len(item.seq.block_table) for item in batch)
+        block_tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
+                        for item in batch]
+        decode_only = all(item.num_new_tokens == 1 for item in batch)
+        dev = self.device
+
+        def to_dev(values, dtype):
+            return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(
+                dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slot_mapping, torch.long),
+            cu_seqlens_q=to_dev(cu_seqlens_q, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+            block_tables=to_dev(block_tables, torch.int32),
+            max_query_len=max(item.num_new_tokens for item in batch),
+            max_seq_len=max(seq_lens),
+            seq_lens_cpu=seq_lens, cu_seqlens_q_cpu=cu_seqlens_q, decode_only=decode_only)
+        return (to_dev(input_ids, torch.long), to_dev(positions, torch.long), meta,
+                to_dev(logits_indices, torch.long))
+
+    def prepare_sampling(self, rows: list[ScheduledSeq], eos_token_ids: list[int]
+                         ) -> SamplingTensors:
+        params = [item.seq.sampling_params for item in rows]
+        need_history = any(p.repetition_penalty != 1 or p.presence_penalty != 0
+                           or p.frequency_penalty != 0 for p in params)
+        suppress: list[tuple[int, int]] = []
+        for row, item in enumerate(rows):
+            seq, sp = item.seq, item.seq.sampling_params
+            if seq.num_output_tokens < sp.min_tokens:
+                banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
+                suppress.extend((row, t) for t in banned if t < self.vocab_size)
+        return SamplingTensors.build(
+            params=params,
+            seeds=[item.seq.seed for item in rows],
+            steps=[item.seq.num_output_tokens for item in rows],
+            prompt_token_ids=[item.seq.token_ids[:item.seq.num_prompt_tokens] for item in rows]
+            if need_history else None,
+            output_token_ids=[item.seq.output_token_ids for item in rows]
+            if need_history else None,
+            suppress=suppress,
+            vocab_size=self.vocab_size,
+            device=self.device)
+
+    # ---------------------------------------------------------------- execution
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> StepResult:
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(batch)
+        rows = [item for item in batch if item.sample]
+        if self.graph_runner is not None and self.graph_runner.can_run(meta):
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        if not rows:
+            return StepResult([None] * len(batch), [None] * len(batch))
+        logits = self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
+        out = self.sampler(logits, self.prepare_sampling(rows, eos_token_ids))
+        # The one host synchronisation of the step: read what was sampled.
+        sampled = out.sampled_token_ids.tolist()
+        lp = self._logprobs_to_host(out, rows)
+        tokens: list[int | None] = []
+        logprobs: list = []
+        it = iter(range(len(rows)))
+        for item in batch:
+            if item.sample:
+                r = next(it)
+                tokens.append(sampled[r])
+                logprobs.append(lp[r] if lp is not None else None)
+            else:
+                tokens.append(None)
+                logprobs.append(None)
+        return StepResult(tokens, logprobs)
+
+    @staticmethod
+    def _logprobs_to_host(out, rows: list[ScheduledSeq]):
+        if out.top_logprobs is None and all(i.seq.sampling_params.logprobs is None for i in rows):
+            return None
+        chosen = out.logprobs.tolist()
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result = []
+        for r, item in enumerate(rows):
+            n = item.seq.sampling_params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            ids = top_ids[r][:n] if top_ids is not None else []
+            vals = top_lp[r][:n] if top_lp is not None else []
+            result.append((chosen[r], ids, vals))
+        return result

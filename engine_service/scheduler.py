@@ -1,0 +1,220 @@
+"""Continuous batching: one mixed batch of decode rows and prefill chunks per step."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from engine_service.block_manager import BlockManager
+from engine_service.config import EngineConfig
+from engine_service.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # computed this step, from seq.num_computed_tokens on
+    sample: bool  # the chunk reaches the last known token, so a new token is sampled
+
+    def __post_init__(self) -> None:
+        if self.num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {self.num_new_tokens}")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # decode rows first, then prefill chunks
+    num_batched_tokens: int
+    preempted: list[Sequence]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS: older sequences (lower `arrival`) have priority; under KV pressure the newest
+    running sequence is preempted and later recomputed from prompt + outputs so far."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 eos_token_ids: list[int]) -> None:
+        if block_manager.block_size != config.kv_block_size:
+            raise ValueError(f"block manager block_size {block_manager.block_size} != "
+                             f"kv_block_size {config.kv_block_size}")
+        if block_manager.num_blocks < config.max_blocks_per_seq:
+            # Otherwise a lone sequence of max_model_len tokens could never finish.
+            raise ValueError(f"{block_manager.num_blocks} KV blocks cannot hold one sequence "
+                             f"of max_model_len={config.max_model_len} tokens")
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len: int = config.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # kept sorted by arrival
+        self._unfinished: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        """The unfinished sequence with this id, if any."""
+        return self._unfinished.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"request id {seq.seq_id!r} is already in the engine")
+        if seq.num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {seq.num_prompt_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        seq.status = SequenceStatus.WAITING
+        seq.arrival = next(self._arrivals)
+        self._unfinished[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        seq = self._unfinished.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return seq
+
+    def tokens_in_flight(self) -> int:
+        """Prompt tokens not yet computed + tokens still to generate, over unfinished seqs."""
+        total = 0
+        for seq in self._unfinished.values():
+            total += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            total += max(0, min(seq.sampling_params.max_tokens - seq.num_output_tokens,
+                                self.max_model_len - seq.num_tokens))
+        return total
+
+    # -- schedule --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        rows: dict[str, ScheduledSeq] = {}  # insertion order = batch order
+        preempted: list[Sequence] = []
+
+        # Running sequences: decode rows (one token each) first, then prefill chunks, each
+        # group oldest first. A chunk shrinks to the free blocks; only a sequence that cannot
+        # take a single token preempts, so preemption is as rare as it can be.
+        decode = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefill = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decode + prefill:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            want = min(seq.num_uncomputed_tokens, budget)
+            while True:
+                num_new = min(want, self._num_fitting_tokens(seq))
+                if num_new > 0:
+                    bm.allocate(seq, num_new)
+                    rows[seq.seq_id] = self._row(seq, num_new)
+                    budget -= num_new
+                    break
+                victim = self._preempt_newest(preempted)
+                if victim.seq_id in rows:
+                    budget += rows.pop(victim.seq_id).num_new_tokens
+                if victim is seq:
+                    break
+
+        # Waiting sequences, strictly FIFO; none after a preemption (memory is short).
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            cached = bm.get_num_cached_tokens(seq)
+            num_new = min(seq.num_tokens - cached, budget)
+            if not bm.can_allocate(seq, num_new):
+                break  # no skipping ahead: the head would starve behind smaller requests
+            self.waiting.popleft()
+            bm.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            rows[seq.seq_id] = self._row(seq, num_new)
+            budget -= num_new
+
+        scheduled = list(rows.values())
+        return SchedulerOutput(scheduled, sum(r.num_new_tokens for r in scheduled), preempted)
+
+    def _num_fitting_tokens(self, seq: Sequence) -> int:
+        """New tokens a running seq could compute with its blocks plus the free ones."""
+        bm = self.block_manager
+        capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size
+        return capacity - seq.num_computed_tokens
+
+    def _row(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
+
+    def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
+        victim = self.running.pop()
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)  # newest preempted first, so older ones end in front
+        preempted.append(victim)
+        return victim
+
+    # -- postprocess -----------------------------------------------------------------------
+
+    def postprocess(self, output: SchedulerOutput,
+                    sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Advance the scheduled sequences by one step; return (and free) those finished."""
+        if len(sampled_token_ids) != len(output.scheduled):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for "
+                             f"{len(output.scheduled)} scheduled rows")
+        for row, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
+            if row.sample != (token_id is not None):
+                raise ValueError(f"row {row.seq.seq_id!r}: sample={row.sample} but got "
+                                 f"token {token_id!r}")
+        finished: list[Sequence] = []
+        for row, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
+            seq = row.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran; its blocks are already free
+            seq.num_computed_tokens += row.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            if self._check_stop(seq):
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.free(seq)
+                del self._unfinished[seq.seq_id]
+                finished.append(seq)
+        if finished:
+            self.running = [s for s in self.running if not s.is_finished]
+        return finished
+
+    def _check_stop(self, seq: Sequence) -> bool:
+        """Set finish_reason/stop_reason if seq must stop after its last token."""
+        params, token_id = seq.sampling_params, seq.last_token
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token_id
+                return True
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return True
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,90 @@
+"""One request inside the engine: its tokens, how far its KV is computed, and its blocks."""
+
+from __future__ import annotations
+
+import random
+from enum import Enum, auto
+
+from engine_service.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A prompt and its outputs in one token list; the scheduler and block manager mutate it.
+
+    `num_cached_tokens` is the prompt-token count the prefix cache served at the *first*
+    schedule; a recompute after preemption does not change it (usage reports what the client
+    got from the cache, not the engine's own re-hits of blocks it computed for this request).
+    `arrival` is set by `Scheduler.add` (a per-scheduler counter) and orders FCFS priority.
+    """
+
+    __slots__ = (
+        "seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
+        "block_table", "block_hashes", "num_hashed_blocks", "status", "sampling_params", "seed",
+        "arrival", "finish_reason", "stop_reason", "num_preemptions",
+    )
+
+    def __init__(self, seq_id: str, token_ids: list[int], sampling_params: SamplingParams,
+                 arrival: int = 0) -> None:
+        if len(token_ids) == 0:
+            raise ValueError(f"prompt of {seq_id!r} must have at least one token")
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks, a memo of a pure function of
+        # token_ids (which only grow), so it survives preemption.
+        self.block_hashes: list[int] = []
+        # Leading blocks of block_table that cache_full_blocks has already dealt with.
+        self.num_hashed_blocks = 0
+        self.status = SequenceStatus.WAITING
+        self.sampling_params = sampling_params
+        # Module-level random so `random.seed(...)` at engine start makes unseeded runs repeat.
+        self.seed: int = (sampling_params.seed if sampling_params.seed is not None
+                          else random.getrandbits(63))
+        self.arrival = arrival
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

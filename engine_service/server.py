@@ -1,0 +1,109 @@
+"""`nanoserve engine`: the gRPC frontend process, which starts the engine core process,
+serves Generation + Engine + health + reflection, and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_service import core_process as core
+from engine_service.config import EngineConfig
+from engine_service.frontend import Frontend
+from engine_service.metrics import EngineMetrics
+from nanoserve.v1 import nanoserve_pb2 as pb
+from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+    pb.DESCRIPTOR.services_by_name["Engine"].full_name,
+)
+
+
+def start_core_process(config: EngineConfig):
+    """Spawn the core; return (process, requests sender, outputs receiver)."""
+    ctx = mp.get_context("spawn")
+    req_recv, req_send = ctx.Pipe(duplex=False)
+    out_recv, out_send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=core.run_core, args=(config, req_recv, out_send),
+                       name="nanoserve-core", daemon=True)
+    proc.start()
+    # Close our copies of the child's ends so either side sees EOF when the other dies.
+    req_recv.close()
+    out_send.close()
+    return proc, req_send, out_recv
+
+
+async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | None,
+                metrics_port: int | None, drain_timeout: float) -> int:
+    proc, req_send, out_recv = start_core_process(config)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"error: cannot listen on {host}:{port}")
+    metrics = EngineMetrics()
+    frontend = Frontend(model_dir=config.model, engine_id=engine_id or f"{host}:{bound}",
+                        requests=req_send, outputs=out_recv,
+                        max_in_flight=config.max_num_seqs + config.max_waiting_requests,
+                        metrics=metrics)
+    pb_grpc.add_GenerationServicer_to_server(frontend, server)
+    pb_grpc.add_EngineServicer_to_server(frontend, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+
+    async def set_health(status) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await health_servicer.set(name, status)
+
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    if metrics_port:
+        metrics.serve(metrics_port, host)
+    frontend.start()
+    print(f"nanoserve engine listening on {host}:{bound}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    ready = asyncio.create_task(frontend.ready.wait())
+    gone = asyncio.create_task(frontend.core_gone.wait())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({ready, gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if frontend.ready.is_set() and not frontend.core_gone.is_set():
+        await set_health(health_pb2.HealthCheckResponse.SERVING)
+        print("nanoserve engine ready", flush=True)
+        await asyncio.wait({gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
+
+    exit_code = 0
+    if frontend.core_gone.is_set():
+        logger.error("engine core is gone; serving stops: %s", frontend.core_error)
+        exit_code = 1
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    frontend.accepting = False
+    if exit_code == 0:
+        try:  # drain: in-flight requests finish, new ones get UNAVAILABLE
+            await asyncio.wait_for(frontend.idle.wait(), timeout=drain_timeout)
+        except asyncio.TimeoutError:
+            logger.warning("drain timeout (%.0fs) with %d requests in flight", drain_timeout,
+                           len(frontend.registry))
+    await server.stop(grace=1.0)
+    with contextlib.suppress(OSError):
+        req_send.send(core.Shutdown())
+    await loop.run_in_executor(None, proc.join, 30)
+    if proc.is_alive():
+        proc.kill()
+    for t in (ready, gone, stopping):
+        t.cancel()
+    return exit_code

@@ -1,0 +1,94 @@
+"""Per-step attention inputs shared by every layer and every attention backend.
+
+A batch is flat: the query tokens of row b are tokens cu_seqlens_q[b]:cu_seqlens_q[b+1] of
+the step, and they are the LAST q_len_b positions of that row's context of seq_lens[b]
+tokens (so query i of row b sits at position seq_lens[b] - q_len_b + i). This one layout
+covers decode rows (q_len 1), full prefills (q_len == seq_len), prefix-cached prefills and
+prefill chunks (q_len < seq_len), all mixed in one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: KV cache slot per token, -1 = do not store
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: query token offsets per row
+    seq_lens: torch.Tensor  # [B] int32: context length incl. this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32; entries past a row's blocks: any
+    max_query_len: int
+    max_seq_len: int
+    seq_lens_cpu: list[int] | None = None  # host copies, so backends need not sync
+    cu_seqlens_q_cpu: list[int] | None = None
+    decode_only: bool = False  # every row has q_len == 1
+
+    def __post_init__(self) -> None:
+        # Shape/dtype checks only: reading values would force a device sync every step.
+        if self.slot_mapping.dim() != 1 or self.slot_mapping.dtype != torch.int64:
+            raise ValueError(f"slot_mapping must be a 1-D int64 tensor, got "
+                             f"{self.slot_mapping.dtype} {list(self.slot_mapping.shape)}")
+        if self.cu_seqlens_q.dim() != 1 or self.cu_seqlens_q.shape[0] < 1:
+            raise ValueError(f"cu_seqlens_q must be 1-D with B + 1 entries, got "
+                             f"{list(self.cu_seqlens_q.shape)}")
+        num_seqs = self.cu_seqlens_q.shape[0] - 1
+        if tuple(self.seq_lens.shape) != (num_seqs,):
+            raise ValueError(f"seq_lens must have shape [{num_seqs}] (B from cu_seqlens_q), "
+                             f"got {list(self.seq_lens.shape)}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != num_seqs:
+            raise ValueError(f"block_tables must have shape [{num_seqs}, max_blocks], got "
+                             f"{list(self.block_tables.shape)}")
+        for name in ("cu_seqlens_q", "seq_lens", "block_tables"):
+            if getattr(self, name).dtype != torch.int32:
+                raise ValueError(f"{name} must be int32, got {getattr(self, name).dtype}")
+        if self.seq_lens_cpu is not None and len(self.seq_lens_cpu) != num_seqs:
+            raise ValueError(f"seq_lens_cpu must have {num_seqs} entries, "
+                             f"got {len(self.seq_lens_cpu)}")
+        if self.cu_seqlens_q_cpu is not None and len(self.cu_seqlens_q_cpu) != num_seqs + 1:
+            raise ValueError(f"cu_seqlens_q_cpu must have {num_seqs + 1} entries, "
+                             f"got {len(self.cu_seqlens_q_cpu)}")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+def make_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    pad_block_id: int = 0,
+) -> AttentionMetadata:
+    """Build metadata from host lists (tests, CPU runs): every query token is stored at
+    its position's slot, block_tables rows are padded with `pad_block_id`."""
+    if not len(query_lens) == len(seq_lens) == len(block_tables):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per row")
+    slots: list[int] = []
+    cu = [0]
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        if not 1 <= q_len <= s_len:
+            raise ValueError(f"need 1 <= query_len <= seq_len, got {q_len} and {s_len}")
+        if len(table) * block_size < s_len:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
+        for pos in range(s_len - q_len, s_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        cu.append(cu[-1] + q_len)
+    width = max((len(t) for t in block_tables), default=0)
+    padded = [t + [pad_block_id] * (width - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(
+            len(block_tables), width),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        seq_lens_cpu=list(seq_lens),
+        cu_seqlens_q_cpu=cu,
+        decode_only=bool(query_lens) and all(q == 1 for q in query_lens),
+    )

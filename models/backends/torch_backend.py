@@ -1,0 +1,89 @@
+"""Reference attention in plain torch: correct and readable first, fast never.
+
+Used on CPU and as the reference the other backends are tested against. It walks the batch
+row by row on the host, so it is not CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.attention_metadata import AttentionMetadata
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Causal attention of one row in float32.
+
+    query [q_len, H, D] holds the LAST q_len positions of the context key/value
+    [kv_len, Hkv, D]: query i sits at position kv_len - q_len + i and sees keys 0..that.
+    """
+    q_len, num_heads, _ = query.shape
+    kv_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    q = query.float().transpose(0, 1)  # [H, q_len, D]
+    # GQA: query head h reads KV head h // group.
+    k = key.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, kv_len, D]
+    v = value.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, kv_len, D]
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)  # [q_len]
+    key_pos = torch.arange(kv_len, device=query.device)  # [kv_len]
+    # Not is_causal=True: SDPA aligns that mask top-left, wrong when q_len < kv_len.
+    mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, kv_len], True = attend
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).to(query.dtype)  # [q_len, H, D]
+
+
+def _host_lists(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    cu = (meta.cu_seqlens_q_cpu if meta.cu_seqlens_q_cpu is not None
+          else meta.cu_seqlens_q.tolist())
+    return seq_lens, cu
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] -> kv_cache[0/1] at slot = block_id * block_size + offset;
+        tokens with slot -1 are skipped."""
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        # view (not reshape): a copy would silently drop the writes.
+        k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
+        v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache[slots] = key[keep].to(kv_cache.dtype)
+        v_cache[slots] = value[keep].to(kv_cache.dtype)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """query [T, H, D] -> [T, H, D], attending over each row's cached context."""
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        seq_lens, cu = _host_lists(meta)
+        out = torch.empty_like(query)
+        for row, seq_len in enumerate(seq_lens):
+            start, end = cu[row], cu[row + 1]
+            if end == start:
+                continue
+            num_blocks = -(-seq_len // block_size)
+            blocks = meta.block_tables[row, :num_blocks].long()  # [num_blocks]
+            # [num_blocks, block_size, Hkv, D] -> the first seq_len tokens of the context
+            key = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            value = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            out[start:end] = _attend(query[start:end], key, value, scale)
+        return out
+
+    def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention over this step's own tokens per row (no cache yet, so every
+        row's context is exactly its query tokens). query [T, H, D], key/value [T, Hkv, D]."""
+        _, cu = _host_lists(meta)
+        out = torch.empty_like(query)
+        for row in range(len(cu) - 1):
+            start, end = cu[row], cu[row + 1]
+            if end > start:
+                out[start:end] = _attend(query[start:end], key[start:end],
+                                         value[start:end], scale)
+        return out

@@ -1,0 +1,72 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary is split into tp_size equal contiguous ranges of ceil(vocab / tp_size) rows;
+the last rank's range is padded with zero rows that no token id maps to and whose logits are
+cut off after the gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.parallel import (
+    WeightSource,
+    check_shape,
+    get_tp_rank,
+    get_tp_size,
+    narrow_weight,
+    tp_all_gather_last_dim,
+    tp_all_reduce,
+)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_per_rank
+        self.vocab_end = min(self.vocab_start + self.num_per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.num_per_rank, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource,
+                      shard_id: str | int | None = None) -> None:
+        check_shape(param, (self.num_embeddings, self.embedding_dim), loaded_weight,
+                    type(self).__name__)
+        rows = max(self.vocab_end - self.vocab_start, 0)
+        param.data.zero_()  # padding rows of the last rank
+        param.data.narrow(0, 0, rows).copy_(
+            narrow_weight(loaded_weight, 0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce then
+        # sums exactly one non-zero row per token.
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = (input_ids - self.vocab_start) * in_range
+        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits = hidden @ W^T over this rank's vocab range, gathered to the full vocabulary.
+
+    For tied embeddings the model points `weight` at the embedding's parameter (same shard
+    layout), so nothing is loaded twice.
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [num_tokens, embedding_dim] -> [num_tokens, num_embeddings]
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather_last_dim(logits)
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,311 @@
+"""Batched sampler: penalties, suppression, temperature, top-k, top-p, min-p and seeded
+sampling for a whole batch on the model's device, with no host synchronisation.
+
+Every random draw is a counter-based hash of (seed, step, vocab index) written in integer
+tensor ops, so a request's tokens depend only on its own seed and output position — never on
+which requests share its batch or where its row sits — and the draws are bit-identical on CPU
+and CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Temperatures below this are treated as greedy: dividing by them overflows the logits.
+SAMPLING_EPS = 1e-5
+# Slack on the top-p boundary: a token whose preceding mass reaches top_p within float32
+# rounding of the softmax/cumsum is outside the nucleus (the smallest set with mass >= top_p).
+TOP_P_EPS = 1e-6
+
+_DEFAULTS: dict[str, object] = {
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "logprobs": None,
+}
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# splitmix64 (Steele, Lea, Flood 2014): golden-ratio increment and finaliser multipliers.
+_GAMMA = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+_SEED_SALT = _i64(0xD1B54A32D192ED03)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; masking off the copied sign bits makes it logical.
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (a bijection of 64-bit words; multiplies wrap)."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1) for every (row, vocab index), a pure function of (seed, step, index).
+
+    seeds, steps: int64 [B]. Returns float32 [B, vocab_size]; the 23 top hash bits give
+    u = (m + 0.5) / 2**23, exact in float32, so u is never 0 or 1.
+    """
+    # A splitmix64 stream per (seed, step): the key is its state, the vocab index its counter.
+    key = mix64(mix64(seeds ^ _SEED_SALT) + steps * _GAMMA)  # [B]
+    offsets = (torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device)
+               * _GAMMA)  # [V]
+    bits = mix64(key[:, None] + offsets[None, :])  # [B, V]
+    mantissa = _shr(bits, 41).to(torch.float32)  # [B, V] in [0, 2**23)
+    return (mantissa + 0.5) * (1.0 / (1 << 23))
+
+
+def _field(p: object, name: str) -> object:
+    if isinstance(p, Mapping):
+        return p.get(name, _DEFAULTS[name])
+    return getattr(p, name)
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _coords(token_lists: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(row, token id) pairs of every token in every row, as two flat lists."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, ids in enumerate(token_lists):
+        rows.extend([i] * len(ids))
+        cols.extend(ids)
+    return rows, cols
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one batch, on the model's device. B = rows to sample."""
+
+    temperatures: torch.Tensor  # float32 [B], 0 = greedy
+    top_ks: torch.Tensor  # int32 [B], vocab_size when off
+    top_ps: torch.Tensor  # float32 [B], 1 = off
+    min_ps: torch.Tensor  # float32 [B], 0 = off
+    seeds: torch.Tensor  # int64 [B]
+    sample_steps: torch.Tensor  # int64 [B], index of the output token being sampled
+    repetition_penalties: torch.Tensor  # float32 [B], 1 = off
+    presence_penalties: torch.Tensor  # float32 [B], 0 = off
+    frequency_penalties: torch.Tensor  # float32 [B], 0 = off
+    prompt_mask: torch.Tensor | None = None  # bool [B, V], only when any_penalty
+    output_counts: torch.Tensor | None = None  # int32 [B, V], only when any_penalty
+    suppress_token_ids: torch.Tensor | None = None  # int64 [K, 2] (row, token id) -> -inf
+    max_num_logprobs: int = -1  # top-n logprobs to return; -1 = no row wants logprobs
+    all_greedy: bool = False
+    any_top_k: bool = False
+    any_top_p: bool = False
+    any_min_p: bool = False
+    any_penalty: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_logprobs is None:
+            self.max_num_logprobs = -1
+        if self.max_num_logprobs < -1:
+            raise ValueError(f"max_num_logprobs must be >= -1, got {self.max_num_logprobs}")
+        b = self.temperatures.shape[0]
+        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "sample_steps",
+                     "repetition_penalties", "presence_penalties", "frequency_penalties"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (b,):
+                raise ValueError(f"{name} must have shape ({b},), got {shape}")
+        if self.seeds.dtype != torch.int64 or self.sample_steps.dtype != torch.int64:
+            raise ValueError("seeds and sample_steps must be int64")
+        if self.any_penalty and (self.prompt_mask is None or self.output_counts is None):
+            raise ValueError("any_penalty needs prompt_mask and output_counts")
+        if self.suppress_token_ids is not None and (
+                self.suppress_token_ids.dim() != 2 or self.suppress_token_ids.shape[1] != 2):
+            raise ValueError("suppress_token_ids must have shape [K, 2]")
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[object],
+        seeds: Sequence[int],
+        steps: Sequence[int],
+        prompt_token_ids: Sequence[Sequence[int]] | None,
+        output_token_ids: Sequence[Sequence[int]] | None,
+        suppress: Sequence[tuple[int, int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """Settings from SamplingParams (or dicts with its fields) in at most 4 host->device
+        copies: one float pack, one int pack, one of penalty token coordinates, one of
+        suppressed (row, token) pairs."""
+        device = torch.device(device)
+        b = len(params)
+        if len(seeds) != b or len(steps) != b:
+            raise ValueError(f"need one seed and one step per row ({b}), "
+                             f"got {len(seeds)} seeds and {len(steps)} steps")
+        temps = [float(_field(p, "temperature")) for p in params]
+        temps = [0.0 if t < SAMPLING_EPS else t for t in temps]
+        top_ks = [int(_field(p, "top_k")) for p in params]
+        top_ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_ks]
+        top_ps = [float(_field(p, "top_p")) for p in params]
+        min_ps = [float(_field(p, "min_p")) for p in params]
+        reps = [float(_field(p, "repetition_penalty")) for p in params]
+        pres = [float(_field(p, "presence_penalty")) for p in params]
+        freqs = [float(_field(p, "frequency_penalty")) for p in params]
+        nums = [_field(p, "logprobs") for p in params]
+        wanted = [int(n) for n in nums if n is not None]
+
+        sampled = [t > 0 for t in temps]
+        any_penalty = any(r != 1.0 or p != 0.0 or f != 0.0
+                          for r, p, f in zip(reps, pres, freqs, strict=True))
+
+        floats = _to_device([temps, top_ps, min_ps, reps, pres, freqs], torch.float32, device)
+        ints = _to_device([top_ks, list(seeds), list(steps)], torch.int64, device)
+
+        prompt_mask = output_counts = None
+        if any_penalty:
+            if prompt_token_ids is None or output_token_ids is None:
+                raise ValueError("penalties need prompt_token_ids and output_token_ids")
+            if len(prompt_token_ids) != b or len(output_token_ids) != b:
+                raise ValueError(f"need prompt and output token ids for each of {b} rows")
+            p_rows, p_cols = _coords(prompt_token_ids)
+            o_rows, o_cols = _coords(output_token_ids)
+            coords = _to_device([p_rows + o_rows, p_cols + o_cols], torch.int64, device)
+            n_prompt = len(p_rows)
+            prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
+            prompt_mask[coords[0, :n_prompt], coords[1, :n_prompt]] = True
+            output_counts = torch.zeros(b, vocab_size, dtype=torch.int32, device=device)
+            output_counts.index_put_(
+                (coords[0, n_prompt:], coords[1, n_prompt:]),
+                torch.ones(len(o_rows), dtype=torch.int32, device=device), accumulate=True)
+
+        suppress_ids = None
+        if suppress:
+            suppress_ids = _to_device([list(pair) for pair in suppress], torch.int64, device)
+
+        return cls(
+            temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
+            repetition_penalties=floats[3], presence_penalties=floats[4],
+            frequency_penalties=floats[5],
+            top_ks=ints[0].to(torch.int32), seeds=ints[1], sample_steps=ints[2],
+            prompt_mask=prompt_mask, output_counts=output_counts,
+            suppress_token_ids=suppress_ids,
+            max_num_logprobs=max(wanted) if wanted else -1,
+            all_greedy=not any(sampled),
+            any_top_k=any(s and k < vocab_size for s, k in zip(sampled, top_ks, strict=True)),
+            any_top_p=any(s and p < 1.0 for s, p in zip(sampled, top_ps, strict=True)),
+            any_min_p=any(s and m > 0.0 for s, m in zip(sampled, min_ps, strict=True)),
+            any_penalty=any_penalty,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None = None  # float32 [B], raw logprob of the sampled token
+    top_logprobs: torch.Tensor | None = None  # float32 [B, n], n = max_num_logprobs
+    top_token_ids: torch.Tensor | None = None  # int64 [B, n]
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties.
+
+    logits: float32 [B, V]; returns a new tensor. Rows with neutral penalties come out
+    bit-identical (x / 1, x * 1 and x - 0 are exact).
+    """
+    assert t.prompt_mask is not None and t.output_counts is not None
+    counts = t.output_counts.to(logits.dtype)  # [B, V]
+    rep = t.repetition_penalties[:, None]  # [B, 1]
+    seen = t.prompt_mask | (t.output_counts > 0)  # [B, V]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - t.presence_penalties[:, None] * (counts > 0).to(logits.dtype)
+    return logits - t.frequency_penalties[:, None] * counts
+
+
+def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus of the
+    top-k-renormalised distribution. One sort; each mask is a per-row threshold value, so ties
+    at the threshold are kept and nothing is scattered back. logits: float32 [B, V]."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values  # [B, V]
+    if t.any_top_k:
+        kth = sorted_logits.gather(1, (t.top_ks.long() - 1)[:, None])  # [B, 1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
+    if t.any_top_p:
+        probs = sorted_logits.softmax(dim=-1)  # [B, V]
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, V], mass of strictly better tokens
+        keep = mass_before < (t.top_ps[:, None] - TOP_P_EPS)
+        keep[:, 0] = True  # the top token always survives
+        keep |= (t.top_ps >= 1.0)[:, None]  # top_p = 1 must be an exact no-op
+        num_kept = keep.sum(dim=-1, keepdim=True)  # [B, 1]
+        threshold = sorted_logits.gather(1, num_kept - 1)  # [B, 1]
+        logits = logits.masked_fill(logits < threshold, -math.inf)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with prob < min_p * max prob, in log space: logit < max logit + log(min_p).
+    min_p = 0 gives log 0 = -inf, an exact no-op."""
+    max_logit = logits.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(logits < max_logit + min_ps.log()[:, None], -math.inf)
+
+
+class Sampler(nn.Module):
+    """logits [B, V] -> one token per row (plus raw logprobs when asked), on the device."""
+
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        logits = logits.float()  # [B, V]
+        raw = logits
+        if t.any_penalty:
+            logits = apply_penalties(logits, t)
+        if t.suppress_token_ids is not None:
+            sup = t.suppress_token_ids
+            # The fill value is made on the device: a host scalar tensor would mean a copy.
+            logits = logits.index_put((sup[:, 0], sup[:, 1]),
+                                      logits.new_full((sup.shape[0],), -math.inf))
+        greedy = logits.argmax(dim=-1)  # [B]
+        if t.all_greedy:
+            tokens = greedy
+        else:
+            tokens = torch.where(t.temperatures > 0, self._sample(logits, t), greedy)
+        return self._logprobs(raw, tokens, t.max_num_logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        # Greedy rows divide by 1; their draw is discarded by the caller.
+        temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)  # [B]
+        logits = logits / temps[:, None]  # [B, V]
+        if t.any_top_k or t.any_top_p:
+            logits = apply_top_k_top_p(logits, t)
+        if t.any_min_p:
+            logits = apply_min_p(logits, t.min_ps)
+        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p. In log space
+        # it is argmax_i logit_i - log E_i (softmax's normaliser is common to the row), so no
+        # softmax is needed and masked tokens (-inf) can never win.
+        u = hashed_uniform(t.seeds, t.sample_steps, logits.shape[-1])  # [B, V]
+        return (logits - (-u.log()).log()).argmax(dim=-1)  # [B]
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, n: int) -> SamplerOutput:
+        if n < 0:
+            return SamplerOutput(sampled_token_ids=tokens)
+        # Logprobs of the model's own distribution, before penalties and sampling settings.
+        logp = raw.log_softmax(dim=-1)  # [B, V]
+        top = logp.topk(n, dim=-1)
+        return SamplerOutput(
+            sampled_token_ids=tokens,
+            logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
+            top_logprobs=top.values,
+            top_token_ids=top.indices,
+        )

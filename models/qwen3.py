@@ -1,0 +1,144 @@
+"""Qwen3 dense decoder (tensor-parallel aware).
+
+Differences from Llama/Qwen2 that matter here: q_norm and k_norm (RMSNorm over head_dim,
+per head, applied BEFORE rotary), no q/k/v biases, an explicit head_dim, and optionally tied
+input/output embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.attention_metadata import AttentionMetadata
+from models.config import Qwen3Config
+from models.layers.activation import SiluAndMul
+from models.layers.attention import Attention
+from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.layernorm import RMSNorm
+from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.layers.rotary import RotaryEmbedding
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding, backend: Any) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
+                                          config.num_attention_heads,
+                                          config.num_key_value_heads,
+                                          bias=config.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
+                                        config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim,
+                              scale=head_dim**-0.5, backend=backend)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [T, (H + 2 * Hkv) * D] (this rank's heads)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
+                             self.qkv_proj.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))  # [T, H, D]
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)  # [T, H, D]
+        return self.o_proj(out.flatten(1))  # [T, hidden]
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding, backend: Any) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, rotary_emb, backend)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: returns (mlp output, residual).
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Qwen3Config, backend: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                     config.rope_theta)
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(config, rotary_emb, backend)
+             for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # Checkpoint module name -> (fused module name, shard id), for models.loader.
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Qwen3Config, backend: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            # Same vocab split as the embedding, so the shard is shared as is.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden] -> float32 logits over the full vocabulary [N, vocab]
+        (gathered across tensor-parallel ranks; every rank gets them)."""
+        return self.lm_head(hidden_states).float()
+
+    def attention_layers(self) -> list[Attention]:
+        """Every Attention module in layer order; the runner sets their `kv_cache`."""
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,193 @@
+"""The offline LLM against transformers on the same tiny random Qwen3, token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_service import LLM, SamplingParams
+
+MAX_TOKENS = 12
+
+
+def make_prompts(n: int, vocab: int, seed: int, min_len: int = 1, max_len: int = 70):
+    rng = random.Random(seed)
+    lens = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(n - 2)]
+    return [[rng.randrange(vocab) for _ in range(k)] for k in lens]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+    out = out[0, len(prompt):].tolist()
+    assert len(out) == max_tokens, "transformers stopped early: eos was not turned off"
+    return out
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_dir):
+    import json
+
+    return json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, vocab):
+    """HF greedy continuations, cached per prompt."""
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def get(prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
+        key = (*prompt, -n)
+        if key not in cache:
+            cache[key] = hf_greedy(hf_model, prompt, n)
+        return cache[key]
+
+    return get
+
+
+def greedy(n: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def make_llm(model_dir, **kw) -> LLM:
+    args = dict(device="cpu", dtype="float32", num_kv_blocks=256, kv_block_size=16,
+                max_model_len=256)
+    args.update(kw)
+    return LLM(str(model_dir), **args)
+
+
+def check_against_hf(llm: LLM, prompts, reference) -> list:
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference(prompt), f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+    return outs
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_matches_transformers(tiny_model_dir, reference, vocab, block_size):
+    prompts = make_prompts(9, vocab, seed=block_size)
+    llm = make_llm(tiny_model_dir, kv_block_size=block_size, num_kv_blocks=2048 // block_size)
+    check_against_hf(llm, prompts, reference)
+
+
+def test_prefix_cache_hits_give_identical_output(tiny_model_dir, reference, vocab):
+    rng = random.Random(1)
+    shared = [rng.randrange(vocab) for _ in range(40)]
+    prompts = [shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+               for _ in range(8)]
+    llm = make_llm(tiny_model_dir, kv_block_size=4, num_kv_blocks=512)
+    first = check_against_hf(llm, prompts, reference)
+    second = check_against_hf(llm, prompts, reference)
+    assert all(o.num_cached_tokens >= 40 for o in second), [o.num_cached_tokens for o in second]
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+def test_preemption_under_tiny_kv_budget(tiny_model_dir, reference, vocab):
+    prompts = make_prompts(8, vocab, seed=7, min_len=20, max_len=40)
+    # 24 blocks of 4 tokens: two sequences of ~52 tokens do not fit together.
+    llm = make_llm(tiny_model_dir, kv_block_size=4, num_kv_blocks=24, max_model_len=96)
+    preempted = []
+    original = llm.engine.scheduler.schedule
+
+    def spy():
+        out = original()
+        preempted.extend(s.seq_id for s in out.preempted)
+        return out
+
+    llm.engine.scheduler.schedule = spy
+    check_against_hf(llm, prompts, reference)
+    assert preempted, "the KV budget was meant to force preemption"
+
+
+def test_chunked_prefill(tiny_model_dir, reference, vocab):
+    prompts = make_prompts(8, vocab, seed=3, min_len=30, max_len=70)
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=16, kv_block_size=4,
+                   num_kv_blocks=512)
+    check_against_hf(llm, prompts, reference)
+
+
+def test_eos_stops_like_transformers(tiny_model_dir, hf_model, vocab):
+    llm = make_llm(tiny_model_dir)
+    eos = llm.engine.eos_token_ids
+    prompts = make_prompts(8, vocab, seed=11)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=0)
+        ref = ref[0, len(prompt):].tolist()
+        if ref and ref[-1] in eos:
+            assert out.finish_reason == "stop"
+        assert out.token_ids == ref[:len(out.token_ids)] and len(out.token_ids) == len(ref)
+
+
+def test_seeded_sampling_reproducible_and_top_k1_is_greedy(tiny_model_dir, vocab):
+    llm = make_llm(tiny_model_dir)
+    prompts = make_prompts(4, vocab, seed=5)
+    sampled = SamplingParams(temperature=1.0, seed=123, max_tokens=10, ignore_eos=True)
+    a = llm.generate(prompts, sampled, use_tqdm=False)
+    b = llm.generate(prompts[::-1], sampled, use_tqdm=False)[::-1]  # other batch order
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    other = llm.generate(prompts, SamplingParams(temperature=1.0, seed=124, max_tokens=10,
+                                                 ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in a] != [o.token_ids for o in other]
+    k1 = llm.generate(prompts, SamplingParams(temperature=0.8, top_k=1, seed=9, max_tokens=10,
+                                              ignore_eos=True), use_tqdm=False)
+    g = llm.generate(prompts, greedy(10), use_tqdm=False)
+    assert [o.token_ids for o in k1] == [o.token_ids for o in g]
+
+
+def test_text_prompts_stop_strings_and_logprobs(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    full = llm.generate("Hello world", greedy(16), use_tqdm=False)[0]
+    assert full.text == llm.tokenizer.decode(full.token_ids)
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = llm.generate("Hello world", greedy(16, stop=[stop]), use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+    lp = llm.generate("Hello world", greedy(4, logprobs=3), use_tqdm=False)[0]
+    assert len(lp.logprobs) == 4
+    for token, (chosen, top_ids, top_lps) in zip(lp.token_ids, lp.logprobs, strict=True):
+        assert top_ids[0] == token and abs(top_lps[0] - chosen) < 1e-5  # greedy = top-1
+        assert len(top_ids) == 3 and top_lps == sorted(top_lps, reverse=True)
+
+
+@pytest.mark.parametrize(("prompt", "params", "field"), [
+    ([], None, "prompt"),
+    ([1] * 5000, None, "prompt"),
+    ([10**7], None, "prompt_token_ids"),
+    ([-1], None, "prompt_token_ids"),
+    ([1, 2], dict(temperature=-0.5), "temperature"),
+    ([1, 2], dict(top_p=0.0), "top_p"),
+    ([1, 2], dict(top_p=1.5), "top_p"),
+    ([1, 2], dict(max_tokens=0), "max_tokens"),
+    ([1, 2], dict(stop=["x"] * 17), "stop"),
+])
+def test_bad_input_names_field_and_leaves_no_state(tiny_model_dir, vocab, prompt, params,
+                                                   field):
+    llm = make_llm(tiny_model_dir, max_model_len=256)
+    with pytest.raises(ValueError, match=field):
+        sp = SamplingParams(**(params or {}))
+        llm.generate([[1, 2, 3], prompt], sp, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    ok = llm.generate([[1, 2, 3]], greedy(3), use_tqdm=False)[0]
+    assert len(ok.token_ids) == 3
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    (dict(kv_block_size=0), "kv_block_size"),
+    (dict(max_model_len=10**6), "max_model_len"),
+    (dict(num_kv_blocks=1, kv_block_size=4), "num_kv_blocks"),
+    (dict(attention_backend="flash-attn", kv_block_size=16), "kv_block_size"),
+    (dict(device="tpu"), "device"),
+])
+def test_impossible_config_rejected(tiny_model_dir, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make_llm(tiny_model_dir, **kwargs)

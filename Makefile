@@ -33,5 +33,13 @@ proto: venv
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
 		--grpc_python_out=proto proto/nanoserve/v1/nanoserve.proto
 
+run: venv
+	BIN=$(BIN) RUN_DIR=$(RUN_DIR) bash deploy/local-run.sh
+
+bench: venv
+	$(BIN)/nanoserve bench offline --model $(RUN_DIR)/tiny --device auto --num-seqs 32 \
+		--max-input-len 256 --max-output-len 128 --min-input-len 16 --min-output-len 16 \
+		--num-kv-blocks 4096 --max-model-len 512 --no-record
+
 clean:
 	rm -rf $(RUN_DIR) .pytest_cache

@@ -73,3 +73,30 @@ def start_engine(model_dir, *extra: str, **kw) -> ServerProc:
     args = ["engine", "--model", str(model_dir), "--port", "0", "--device", "cpu",
             "--dtype", "float32", "--num-kv-blocks", "512", *extra]
     return start_server(args, "nanoserve engine ready", **kw)
+
+
+NODE_DIR = ROOT / "clients" / "node"
+
+
+def run_node_client_test(target: str, spec: dict, expected, tmp_path: Path) -> str:
+    """Run the Node client's own test suite against `target`, expecting it to stream the
+    token ids and text the Python client got (`expected`); returns node's stdout."""
+    import json
+    import shutil
+
+    import pytest
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node is not installed (the Node client test needs Node.js >= 18)")
+    if not (NODE_DIR / "node_modules").is_dir():
+        pytest.fail("run npm ci in clients/node")
+    expect = tmp_path / "expect.json"
+    expect.write_text(json.dumps({**spec, "token_ids": expected.token_ids,
+                                  "text": expected.text}))
+    env = {**os.environ, "NANOSERVE_TARGET": target, "NANOSERVE_EXPECT_JSON": str(expect)}
+    proc = subprocess.run([node, "--test"], cwd=NODE_DIR, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "# fail 0" in proc.stdout
+    return proc.stdout

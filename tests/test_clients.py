@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fake_engine import FakeBehavior, FakeEngine, render_chat, start_fake_engine
 
 from clients import (
     AsyncClient,
@@ -34,6 +30,8 @@ from clients import cli as nanoserve_cli
 from engine_service.block_hash import hash_prompt_blocks
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
+from tests.fake_engine import FakeBehavior, FakeEngine, render_chat, start_fake_engine
+from tests.procs import run_node_client_test
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "clients" / "node"
@@ -374,21 +372,9 @@ def test_clients_and_generate_cli_import_no_torch_nor_other_owners() -> None:
 
 def test_node_client_matches_python_client(fake: FakeEngine, client: Client,
                                            tmp_path: Path) -> None:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed (the Node client test needs Node.js >= 18)")
-    if not (NODE_DIR / "node_modules").is_dir():
-        pytest.fail("run npm ci in clients/node")
     spec = {"prompt": "Hello", "sampling": {"max_tokens": 8, "temperature": 0}}
     result = client.generate(spec["prompt"], **spec["sampling"])
-    expect = tmp_path / "expect.json"
-    expect.write_text(json.dumps({**spec, "token_ids": result.token_ids, "text": result.text}))
-    env = {**os.environ, "NANOSERVE_TARGET": f"127.0.0.1:{fake.port}",
-           "NANOSERVE_EXPECT_JSON": str(expect)}
-    proc = subprocess.run([node, "--test"], cwd=NODE_DIR, env=env, capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "# fail 0" in proc.stdout
+    run_node_client_test(f"127.0.0.1:{fake.port}", spec, result, tmp_path)
     # the Node test's early-closed stream was cancelled in the engine
     assert fake.wait_until(
         lambda: any(r.startswith("node-early-close-") for r in fake.cancelled), timeout=10)

@@ -18,7 +18,7 @@ from engine_service import LLM, SamplingParams
 from engine_service.block_hash import hash_prompt_blocks
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
-from tests.procs import start_engine
+from tests.procs import run_node_client_test, start_engine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -200,13 +200,12 @@ def test_kv_events_snapshot_plus_deltas_match_cached_blocks(engine, client):
 def test_queue_full_resource_exhausted(tiny_model_dir):
     eng = start_engine(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1")
     try:
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(eng.target))
+        sampling = pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        # Raw calls start at once and can be cancelled from here (one running, one waiting).
+        calls = [stub.Stream(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3 + i] * 20),
+                                                sampling=sampling)) for i in range(2)]
         with Client(eng.target) as c:
-            streams = [c.stream([3 + i] * 20, temperature=0, max_tokens=400, ignore_eos=True)
-                       for i in range(2)]
-            threads = [threading.Thread(target=lambda s=s: sum(1 for _ in s), daemon=True)
-                       for s in streams]
-            for t in threads:
-                t.start()
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 load = c.load()
@@ -215,8 +214,8 @@ def test_queue_full_resource_exhausted(tiny_model_dir):
                 time.sleep(0.02)
             with pytest.raises(ResourceExhausted, match="queue is full"):
                 c.generate([4] * 5, max_tokens=2)
-            for s in streams:
-                s.close()
+            for call in calls:
+                call.cancel()
             assert wait_blocks_free(c).kv_blocks_used == 0
             assert c.generate([1, 2], temperature=0, max_tokens=2).finish_reason == "length"
     finally:
@@ -237,3 +236,12 @@ def test_sigterm_drains_in_flight_streams(tiny_model_dir):
             got.extend(chunk.token_ids)
         assert len(got) == 60, "the in-flight stream was cut by the drain"
     assert eng.proc.wait(30) == 0
+
+
+def test_node_client_streams_same_tokens_as_python(engine, client, tmp_path):
+    spec = {"prompt": "Hello there", "sampling": {"max_tokens": 12, "temperature": 0,
+                                                  "ignore_eos": True}}
+    expected = client.generate(spec["prompt"], **spec["sampling"])
+    assert len(expected.token_ids) == 12
+    run_node_client_test(engine.target, spec, expected, tmp_path)
+    assert wait_blocks_free(client).kv_blocks_used == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 _KINDS = {
     "offline": ("benchmarks.offline", "offline throughput with the LLM class"),
@@ -15,9 +16,13 @@ _KINDS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_kind", required=True)
+    # Only the chosen kind's module is imported: `bench serve` and `bench routing` must run
+    # where torch is absent (a router pod), `bench offline` needs it.
+    chosen = next((a for a in sys.argv[1:] if a in _KINDS), None)
     for kind, (module, help_text) in _KINDS.items():
         p = sub.add_parser(kind, help=help_text)
-        importlib.import_module(module).add_arguments(p)
+        if kind == chosen:
+            importlib.import_module(module).add_arguments(p)
         p.set_defaults(bench_module=module)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from benchmarks.model_configs import PRESETS, resolve_model
 from benchmarks.results import record
 from benchmarks.workload import add_workload_arguments, workload_from_args
 from engine_service.cli import add_engine_config_arguments, engine_config_from_args
@@ -14,14 +15,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_config_arguments(parser)
     add_workload_arguments(parser)
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
+    parser.add_argument("--single", action="store_true",
+                        help="one request instead of the workload: prompt --max-input-len, "
+                        "--max-output-len new tokens; reports decode tok/s")
+    parser.epilog = f"--model also takes a preset with dummy weights: {', '.join(PRESETS)}"
 
 
 def main(args: argparse.Namespace) -> int:
     from engine_service import LLM, SamplingParams
 
+    args.model, is_preset = resolve_model(args.model)
+    if is_preset:
+        args.load_format = "dummy"
     config = engine_config_from_args(args)
     kwargs = {k: v for k, v in vars(config).items() if k not in ("model", "hf_config")}
     llm = LLM(config.model, **kwargs)
+    if args.single:
+        return _single(llm, args)
     reqs = workload_from_args(args, llm.engine.vocab_size)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True,
                              max_tokens=r.max_tokens, seed=i) for i, r in enumerate(reqs)]
@@ -42,4 +52,32 @@ def main(args: argparse.Namespace) -> int:
             "wall time": f"{elapsed:.2f} s",
             "throughput": f"{tps:.1f} output tok/s",
         })
+    return 0
+
+
+def _single(llm, args: argparse.Namespace) -> int:
+    """Decode speed of one request: prefill first, then time the decode steps alone."""
+    import random
+
+    from engine_service import SamplingParams
+
+    rng = random.Random(args.workload_seed)
+    prompt = [rng.randrange(min(10000, llm.engine.vocab_size)) for _ in range(args.max_input_len)]
+    n = args.max_output_len
+    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=args.temperature, max_tokens=n,
+                                                ignore_eos=True, seed=0), use_tqdm=False)[0]
+    total = time.perf_counter() - t0
+    assert len(out.token_ids) == n
+    decode_tps = (n - 1) / max(total - prefill, 1e-9)
+    print(f"single request: prompt {len(prompt)}, {n} new tokens, total {total:.3f}s, "
+          f"prefill ~{prefill*1e3:.1f} ms, decode {decode_tps:.1f} tok/s")
+    if not args.no_record:
+        record("single-request decode", {
+            "prompt tokens": str(len(prompt)), "new tokens": str(n),
+            "decode": f"{decode_tps:.1f} tok/s (wall {total:.3f}s minus a 1-token run)"})
     return 0

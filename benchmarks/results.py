@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import platform
 import shlex
 import subprocess
@@ -29,7 +30,6 @@ def hardware() -> str:
                 break
     except OSError:
         pass
-    import os
 
     return f"CPU {cpu} ({os.cpu_count()} cores)"
 
@@ -47,7 +47,7 @@ def commit() -> str:
 
 def record(title: str, figures: dict[str, str], path: Path | None = None) -> None:
     """One entry per run: a heading, the figures, and how to reproduce them."""
-    path = path or RESULTS
+    path = path or Path(os.environ.get("NANOSERVE_RESULTS", RESULTS))
     cmd = "nanoserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     lines = [f"\n### {title} — {dt.date.today().isoformat()}\n",
              f"- hardware: {hardware()}", f"- commit: {commit()}", f"- command: `{cmd}`"]

@@ -173,19 +173,15 @@ class ModelRunner:
         """Flatten a mixed batch (decode rows, prefills, prefix-cached prefills, chunks)."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         cu_seqlens_q = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        bs = self.block_size
         for item in batch:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_new_tokens)
             seq_lens.append(end)
             if item.sample:
@@ -200,15 +196,25 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(
                 dev, non_blocking=True)
 
+        positions_t = to_dev(positions, torch.long)  # [num_tokens]
+        cu_seqlens_q_t = to_dev(cu_seqlens_q, torch.int32)  # [num_seqs + 1]
+        block_tables_t = to_dev(block_tables, torch.int32)  # [num_seqs, max_blocks]
+        # slot = block_tables[row, pos // block_size] * block_size + pos % block_size, on
+        # the device: no per-token Python loop over long prompts.
+        rows = torch.repeat_interleave(
+            torch.arange(len(batch), device=dev), cu_seqlens_q_t.diff(),
+            output_size=len(input_ids))  # [num_tokens]
+        bs = self.block_size
+        slot_mapping = block_tables_t[rows, positions_t // bs].long() * bs + positions_t % bs
         meta = AttentionMetadata(
-            slot_mapping=to_dev(slot_mapping, torch.long),
-            cu_seqlens_q=to_dev(cu_seqlens_q, torch.int32),
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu_seqlens_q_t,
             seq_lens=to_dev(seq_lens, torch.int32),
-            block_tables=to_dev(block_tables, torch.int32),
+            block_tables=block_tables_t,
             max_query_len=max(item.num_new_tokens for item in batch),
             max_seq_len=max(seq_lens),
             seq_lens_cpu=seq_lens, cu_seqlens_q_cpu=cu_seqlens_q, decode_only=decode_only)
-        return (to_dev(input_ids, torch.long), to_dev(positions, torch.long), meta,
+        return (to_dev(input_ids, torch.long), positions_t, meta,
                 to_dev(logits_indices, torch.long))
 
     def prepare_sampling(self, rows: list[ScheduledSeq], eos_token_ids: list[int]

@@ -1,0 +1,159 @@
+"""Every GPU figure in one call: `python -m benchmarks.gpu_suite [--stages ...]`.
+
+Stages: tests (tests/gpu), offline (nano-vllm bench workload, Qwen3-0.6B shape, dummy
+bf16 weights), single (one request, 512-token prompt, 512 new tokens), serve (the same
+workload as concurrent streams against one engine process), hbm (copy bandwidth and the
+decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs allow).
+Logs go to $OUT (or ./.out); figures are appended to RESULTS.md (NANOSERVE_RESULTS to
+redirect); a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("OUT", ROOT / ".out"))
+ROWS: list[tuple[str, str, str]] = []
+
+
+def sh(name: str, cmd: list[str], timeout: float, env: dict | None = None) -> str:
+    """Run a command, tee its output to OUT/name.log, return the output."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        text = proc.stdout + proc.stderr
+        rc = proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    (OUT / f"{name}.log").write_text(text)
+    print(f"[{name}] rc={rc} in {time.perf_counter() - t0:.0f}s", flush=True)
+    if rc != 0:
+        print(text[-3000:], flush=True)
+    return text
+
+
+def nanoserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "clients.cli", *args]
+
+
+def stage_tests(args) -> None:
+    text = sh("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "tests/gpu",
+                            "-p", "no:cacheprovider", *args.pytest_args], timeout=540)
+    m = re.search(r"(\d+ passed[^\n]*)", text)
+    ROWS.append(("tests/gpu", m.group(1) if m else "FAILED (see gpu_tests.log)", "pytest"))
+    agree = re.search(r"argmax agreement: ([\d.]+)", text)
+    if agree:
+        ROWS.append(("bf16 teacher-forced argmax agreement", agree.group(1), ">= 0.98"))
+
+
+def stage_offline(args) -> None:
+    text = sh("offline", nanoserve("bench", "offline", "--model", args.model, *args.engine_args),
+              timeout=540)
+    m = re.search(r"Throughput: ([\d.]+) tok/s", text)
+    ROWS.append(("offline nano-vllm bench", f"{m.group(1)} tok/s" if m else "FAILED",
+                 ">= 24,000 (nano-vllm 20,400)"))
+
+
+def stage_single(args) -> None:
+    text = sh("single", nanoserve("bench", "offline", "--model", args.model, "--single",
+                                  "--max-input-len", "512", "--max-output-len", "512",
+                                  *args.engine_args), timeout=300)
+    m = re.search(r"decode ([\d.]+) tok/s", text)
+    ROWS.append(("single request decode (512+512)", f"{m.group(1)} tok/s" if m else "FAILED",
+                 ">= 1,000 (nano-vllm ~475)"))
+
+
+def stage_serve(args) -> None:
+    log = (OUT / "serve_engine.log").open("w")
+    engine = subprocess.Popen(nanoserve("engine", "--model", args.model_dir, "--port", "50051",
+                                        "--load-format", "dummy", *args.engine_args),
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while "ready" not in (OUT / "serve_engine.log").read_text():
+            if engine.poll() is not None or time.monotonic() > deadline:
+                ROWS.append(("serve", "engine did not start (serve_engine.log)", ""))
+                return
+            time.sleep(1)
+        text = sh("serve", nanoserve("bench", "serve", "--target", "127.0.0.1:50051"),
+                  timeout=420)
+        m = re.search(r"Throughput: ([\d.]+) tok/s\s+TTFT p50/p99: ([\d./]+) ms\s+ITL p50/p99: "
+                      r"([\d./]+) ms", text)
+        if m:
+            ROWS.append(("serve (256 streams at once)", f"{m.group(1)} tok/s", ">= 90% offline"))
+            ROWS.append(("serve TTFT p50/p99", f"{m.group(2)} ms", ""))
+            ROWS.append(("serve inter-token p50/p99", f"{m.group(3)} ms", ""))
+        else:
+            ROWS.append(("serve", "FAILED (serve.log)", ""))
+    finally:
+        engine.terminate()
+        engine.wait(60)
+
+
+def stage_hbm(args) -> None:
+    text = sh("hbm", [sys.executable, "-m", "benchmarks.hbm", "--model", args.model_dir],
+              timeout=300)
+    for line in text.splitlines():
+        if line.startswith("ROW "):
+            name, value, note = line[4:].split(" | ")
+            ROWS.append((name, value, note))
+
+
+def stage_tp(args) -> None:
+    import torch
+
+    n = torch.cuda.device_count()
+    for tp in (1, 2, 4):
+        if tp > n:
+            continue
+        extra = ["--tensor-parallel-size", str(tp), "--max-model-len", "4096"]
+        text = sh(f"tp{tp}_single", nanoserve("bench", "offline", "--model", "qwen3-8b",
+                                             "--single", "--max-input-len", "512",
+                                             "--max-output-len", "512", *extra), timeout=420)
+        m = re.search(r"decode ([\d.]+) tok/s", text)
+        ROWS.append((f"Qwen3-8B TP={tp} single decode", f"{m.group(1)} tok/s" if m else "FAILED",
+                     ""))
+        if args.tp_throughput:
+            text = sh(f"tp{tp}_offline", nanoserve("bench", "offline", "--model", "qwen3-8b",
+                                                   *extra), timeout=540)
+            m = re.search(r"Throughput: ([\d.]+) tok/s", text)
+            ROWS.append((f"Qwen3-8B TP={tp} nano-vllm bench",
+                         f"{m.group(1)} tok/s" if m else "FAILED", ""))
+
+
+STAGES = {"tests": stage_tests, "offline": stage_offline, "single": stage_single,
+          "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", default="tests,offline,single,serve,hbm")
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[])
+    p.add_argument("--pytest-args", nargs="*", default=[])
+    p.add_argument("--tp-throughput", action="store_true")
+    args = p.parse_args()
+    from benchmarks.model_configs import resolve_model
+
+    args.model_dir, _ = resolve_model(args.model)
+    sh("env", ["nvidia-smi"], timeout=30)
+    for stage in args.stages.split(","):
+        STAGES[stage](args)
+    print("\n| check | result | target |\n|---|---|---|")
+    for row in ROWS:
+        print(f"| {' | '.join(row)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Attention backend on flash-attn 2 (`pip install flash-attn`), imported lazily.
+
+flash-attn reads the paged cache in our layout: kv_cache[0] / kv_cache[1] are
+`[num_blocks, block_size, num_kv_heads, head_dim]`, the `k_cache`/`v_cache` its paged
+kernels take with `block_table [B, max_blocks] int32`. Its paged kernels need a block size
+that is a multiple of 256. Both of its calls align the causal mask bottom-right, which is
+our layout: the query tokens are the last positions of each row's context.
+
+Decode-only batches go through `flash_attn_with_kvcache` (CUDA-graph capturable: static
+query, kv_cache, seq_lens, block_tables; host fields unused); mixed batches through
+`flash_attn_varlen_func`, which needs the host ints max_query_len / max_seq_len.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from models.attention_metadata import AttentionMetadata
+
+FLASH_ATTN_BLOCK_MULTIPLE = 256
+
+
+def _import_flash_attn() -> ModuleType:
+    try:
+        import flash_attn
+    except ImportError as exc:
+        raise ImportError(
+            "attention backend 'flash-attn' needs the flash-attn package "
+            "(pip install flash-attn --no-build-isolation); use --attention-backend triton "
+            "or torch instead") from exc
+    return flash_attn
+
+
+class FlashAttnBackend:
+    name = "flash-attn"
+
+    def __init__(self) -> None:
+        self._fa = _import_flash_attn()
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at
+        slot_mapping [T] (slot -1: skipped)."""
+        from models.kernels.store_kv import store_kv  # triton ships with CUDA torch
+
+        store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """query [T, H, D] -> [T, H, D] over each row's cached context."""
+        block_size = kv_cache.shape[2]
+        if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+            raise ValueError(f"attention backend 'flash-attn' needs kv_block_size to be a "
+                             f"multiple of {FLASH_ATTN_BLOCK_MULTIPLE}, got {block_size}; "
+                             f"use --attention-backend triton for other block sizes")
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
+        if meta.decode_only:
+            out = self._fa.flash_attn_with_kvcache(
+                query.unsqueeze(1),  # [B, 1, H, D]
+                k_cache, v_cache,
+                cache_seqlens=meta.seq_lens,  # [B] int32, includes this step's token
+                block_table=meta.block_tables,
+                softmax_scale=scale, causal=True)
+            return out.squeeze(1)  # [B, H, D]
+        # cu_seqlens_k on the device: no host sync; with block_table it only gives lengths.
+        cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
+        return self._fa.flash_attn_varlen_func(
+            query, k_cache, v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale, causal=True, block_table=meta.block_tables)
+
+    def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention over each row's own tokens (profiling pass, no cache yet)."""
+        return self._fa.flash_attn_varlen_func(
+            query, key, value,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_q,
+            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_query_len,
+            softmax_scale=scale, causal=True)

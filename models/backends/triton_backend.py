@@ -1,0 +1,122 @@
+"""Attention backend on nanoserve's own Triton kernels (any KV block size).
+
+CUDA-graph capture of `forward` works for `meta.decode_only` batches: the launch then
+depends only on the batch size, the head layout, the dtype and the SM count, and every
+per-step value is read on the device. What must be static across replays (same storage,
+same shape): `query`, `kv_cache`, `meta.cu_seqlens_q` [B+1], `meta.seq_lens` [B],
+`meta.block_tables` [B, max_blocks] (fixed width) and, for `store_kv`, `key`, `value`,
+`meta.slot_mapping` [B]. Host fields (`max_query_len`, `max_seq_len`, `seq_lens_cpu`,
+`cu_seqlens_q_cpu`) are not read on the decode path. Padding rows of a graph batch may use
+seq_len 0 (output zeros) and slot -1 (nothing stored).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.attention_metadata import AttentionMetadata
+from models.kernels.paged_attention import choose_launch, paged_attention
+from models.kernels.store_kv import store_kv
+
+# SM count assumed off-GPU (TRITON_INTERPRET runs on CPU tensors).
+_CPU_NUM_SMS = 8
+
+
+def _num_leading_decode_rows(cu_seqlens_q: list[int]) -> int:
+    """Rows 0..n-1 all have one query token iff cu[n] == n; cu[i] - i never decreases,
+    so bisect for the last such n (O(log B) host work per layer)."""
+    lo, hi = 0, len(cu_seqlens_q) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cu_seqlens_q[mid] == mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None) -> None:
+        self._num_sms = num_sms  # None: ask the device on first use
+
+    def num_sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                             if device.type == "cuda" else _CPU_NUM_SMS)
+        return self._num_sms
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at
+        slot_mapping [T] (slot -1: skipped)."""
+        store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, H, D] -> [T, H, D] (written into `out` when given).
+
+        A mixed batch whose first rows are decode rows (the scheduler puts them first) runs
+        as two launches of the same kernel: the decode rows with one-token tiles, the rest
+        with prefill tiles, so decode rows do not pay for prefill-sized tiles.
+        """
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        cu = meta.cu_seqlens_q_cpu
+        num_seqs = meta.seq_lens.shape[0]
+        num_decode = num_seqs if meta.decode_only else (
+            _num_leading_decode_rows(cu) if cu is not None else 0)
+        if 0 < num_decode < num_seqs:
+            self._launch(query[:num_decode], kv_cache, meta.cu_seqlens_q[:num_decode + 1],
+                         meta.seq_lens[:num_decode], meta.block_tables[:num_decode], scale,
+                         out[:num_decode], decode_only=True, max_query_len=1,
+                         max_seq_len=meta.max_seq_len)
+            self._launch(query[num_decode:], kv_cache, meta.cu_seqlens_q[num_decode:],
+                         meta.seq_lens[num_decode:], meta.block_tables[num_decode:], scale,
+                         out[num_decode:], decode_only=False, max_query_len=meta.max_query_len,
+                         max_seq_len=meta.max_seq_len, q_base=num_decode)
+        else:
+            # Decode launches ignore lengths (see choose_launch): graph replays stay valid.
+            self._launch(query, kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                         scale, out, decode_only=num_decode == num_seqs,
+                         max_query_len=1 if num_decode == num_seqs else meta.max_query_len,
+                         max_seq_len=meta.max_seq_len)
+        return out
+
+    def _launch(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                out: torch.Tensor, *, decode_only: bool, max_query_len: int,
+                max_seq_len: int, q_base: int = 0) -> None:
+        num_kv_heads = kv_cache.shape[3]
+        launch = choose_launch(
+            num_tokens=query.shape[0], num_seqs=seq_lens.shape[0], num_kv_heads=num_kv_heads,
+            num_q_per_kv=query.shape[1] // num_kv_heads, dtype=query.dtype,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, decode_only=decode_only,
+            num_sms=self.num_sms(query.device))
+        paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens, block_tables,
+                        scale, launch, out=out, q_base=q_base)
+
+    def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention over each row's own tokens (profiling pass, no cache yet).
+
+        The step's key/value act as a cache of block size 1 whose block table maps row b's
+        position i to token cu_seqlens_q[b] + i, so the same kernel (and its memory
+        footprint) runs.
+        """
+        num_tokens, num_heads, _ = query.shape
+        num_kv_heads = key.shape[1]
+        cu = meta.cu_seqlens_q  # [B + 1] int32
+        max_q = meta.max_query_len
+        positions = torch.arange(max_q, dtype=torch.int32, device=query.device)
+        block_tables = cu[:-1, None] + positions[None, :]  # [B, max_q]
+        seq_lens = cu[1:] - cu[:-1]  # [B]: the context is the row's own tokens
+        launch = choose_launch(
+            num_tokens=num_tokens, num_seqs=seq_lens.shape[0], num_kv_heads=num_kv_heads,
+            num_q_per_kv=num_heads // num_kv_heads, dtype=query.dtype,
+            max_query_len=max_q, max_seq_len=max_q, decode_only=False,
+            num_sms=self.num_sms(query.device))
+        # [T, 1, Hkv, D]: one slot per block
+        return paged_attention(query, key.unsqueeze(1), value.unsqueeze(1), cu, seq_lens,
+                               block_tables, scale, launch)

@@ -1,0 +1,301 @@
+"""One Triton paged-attention kernel for a mixed batch.
+
+A batch mixes decode rows (1 query token), prefills, prefix-cached prefills and prefill
+chunks. Row `b` has `q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]` query tokens that are
+the LAST `q_len_b` positions of its `seq_lens[b]`-token context; all keys/values (including
+this step's, stored beforehand by `store_kv`) live in the paged cache
+`[num_blocks, block_size, num_kv_heads, head_dim]` and are found through
+`block_tables[b, pos // block_size]`.
+
+Work split: program `(tile, kv_head, split)`. A tile is `BLOCK_Q` query tokens of one
+sequence times the `G = num_heads // num_kv_heads` query heads that share `kv_head` (GQA
+packing: rows = tokens x group heads), so each K/V tile is loaded once per group. The
+sequence of a tile is found on the device by a binary search over `cu_seqlens_q` (sequence
+`b` owns programs from `cu_seqlens_q[b] // BLOCK_Q + b`), so the grid depends only on
+`num_tokens`, `num_seqs` and the launch choice: no host reads of device data.
+
+Split-KV (flash-decoding): with few programs, each tile's key range is cut into
+`num_splits` partitions; every partition writes its partial (max, sum, acc) to a float32
+workspace and `_combine_splits_kernel` merges them. Partition sizes are computed in the
+kernel from each row's own length, so a fixed `num_splits` serves any context length —
+what a captured CUDA graph needs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+# Mixed batches split the KV range only when some context is at least this long.
+MIN_SPLIT_CONTEXT = 1024
+# Empty rows keep this finite running max, so fully masked tiles never produce inf - inf.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_seqs, num_heads, block_size, num_splits, q_base,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_bt,
+    NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # block_size and num_splits are runtime ints: one compiled kernel serves every block
+    # size and split count; they only touch [BLOCK_N]-sized index vectors.
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # With q = cu_seqlens_q - q_base (q_base: first token of a sub-batch), sequence b owns
+    # programs [q[b] // BLOCK_Q + b, q[b+1] // BLOCK_Q + b + 1): at least cdiv(q_len_b,
+    # BLOCK_Q) of them. Find the last b whose first program is <= pid.
+    lo = pid * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = (tl.load(cu_seqlens_q_ptr + mid) - q_base) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq) - q_base  # row of query/out
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_base - q_start
+    tile = pid - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens cached before this step: query i sits at ctx_len + i
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the sequence
+    group_head = rows % GROUP_PAD
+    head = kv_head * NUM_Q_PER_KV + group_head
+    row_ok = (tok < q_len) & (group_head < NUM_Q_PER_KV)
+    q_pos = ctx_len + tok
+    dims = tl.arange(0, HEAD_DIM)
+    t = (q_start + tok).to(tl.int64)  # [BLOCK_M] flat token index
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    # Causal: no row of this tile sees keys past its last query token.
+    kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
+    if SPLIT_KV:
+        part = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * part
+        kv_end = tl.minimum(kv_hi, kv_lo + part)
+    else:
+        kv_lo = 0
+        kv_end = kv_hi
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_k_head
+    v_base = v_cache_ptr + kv_head * stride_v_head
+    for start in range(kv_lo, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
+        n_ok = n < kv_end
+        # Physical address per key: any block size works, a tile may span several blocks.
+        block = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+        slot = block * block_size + n % block_size
+        k = tl.load(k_base + slot[:, None] * stride_k_slot + dims[None, :],
+                    mask=n_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + slot[:, None] * stride_v_slot + dims[None, :],
+                    mask=n_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT_KV:
+        ws = (t * num_heads + head) * num_splits + split  # [BLOCK_M] workspace row
+        tl.store(ws_max_ptr + ws, m_i, mask=row_ok)
+        tl.store(ws_sum_ptr + ws, l_i, mask=row_ok)
+        tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
+    else:
+        # l_i == 0 only for an empty context (seq_len 0 padding rows): write zeros, not NaN.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
+    stride_ot, stride_oh, num_heads,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    ws = (t * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
+    m = tl.load(ws_max_ptr + ws)
+    weight = tl.exp2(m - tl.max(m, axis=0))  # empty partitions: l == 0, weight irrelevant
+    total = tl.sum(weight * tl.load(ws_sum_ptr + ws), axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, HEAD_DIM]
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Launch choice of `paged_attention`; a pure function of host-known batch shape."""
+
+    block_q: int  # query tokens per tile (rows = block_q x padded GQA group)
+    block_n: int  # keys per inner-loop step
+    num_splits: int  # KV partitions per tile; 1 = no split-KV pass
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_n", "num_splits"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+        if self.block_n < 16:
+            raise ValueError(f"block_n must be >= 16 (tl.dot), got {self.block_n}")
+        if self.num_splits > MAX_SPLITS:
+            raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {self.num_splits}")
+
+
+def _group_pad(num_q_per_kv: int) -> int:
+    return triton.next_power_of_2(num_q_per_kv)
+
+
+def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_per_kv: int,
+                  dtype: torch.dtype, max_query_len: int, max_seq_len: int,
+                  decode_only: bool, num_sms: int) -> AttentionLaunch:
+    """Pick tile sizes and the split count from host ints only.
+
+    For `decode_only` batches the result depends on (num_seqs, num_kv_heads, num_q_per_kv,
+    dtype, num_sms) alone — never on lengths — so a CUDA graph captured for a batch size
+    replays the same launch for any context lengths.
+    """
+    group_pad = _group_pad(num_q_per_kv)
+    min_block_q = max(1, 16 // group_pad)  # tl.dot needs >= 16 rows
+    if decode_only:
+        block_q = min_block_q
+        programs = num_seqs * num_kv_heads
+    else:
+        # Up to 64 rows per tile; fewer when every query chunk of the batch is short.
+        block_q = min(triton.next_power_of_2(max(1, max_query_len)), max(1, 64 // group_pad))
+        block_q = max(block_q, min_block_q)
+        programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+    num_splits = 1
+    long_enough = decode_only or max_seq_len >= MIN_SPLIT_CONTEXT
+    if programs < 2 * num_sms and long_enough:
+        num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, programs)))
+    block_m = block_q * group_pad
+    return AttentionLaunch(
+        block_q=block_q,
+        block_n=32 if dtype == torch.float32 else 64,  # fp32 tiles take twice the smem
+        num_splits=num_splits,
+        num_warps=8 if block_m > 64 else 4,
+    )
+
+
+def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 partials of split-KV: acc [T, H, S, D], running max [T, H, S], sum [T, H, S]."""
+    acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+                      device=device)
+    row_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
+    row_sum = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
+    return acc, row_max, row_sum
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    launch: AttentionLaunch,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_base: int = 0,
+) -> torch.Tensor:
+    """Causal attention of every query token over its sequence's cached context.
+
+    Query/out row of token i of sequence b: `cu_seqlens_q[b] - q_base + i`; `q_base` lets a
+    sub-batch (rows b0.. of a step, cu_seqlens_q[b0:], query[cu[b0]:]) launch on its own.
+    Output rows not covered by any sequence are unspecified.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"head_dim must be a power of two >= 16, got {head_dim}")
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads vs {num_kv_heads} kv heads"
+    assert value_cache.shape == key_cache.shape and key_cache.shape[3] == head_dim
+    assert query.dtype == key_cache.dtype == value_cache.dtype, (
+        f"query {query.dtype} vs cache {key_cache.dtype}/{value_cache.dtype}")
+    assert cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [num_seqs + 1]"
+    assert block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
+    for cache in (key_cache, value_cache):
+        assert cache.stride(3) == 1, "cache head_dim must be contiguous"
+        assert block_size == 1 or cache.stride(0) == block_size * cache.stride(1), (
+            "cache slots must be linear: slot = block * block_size + offset")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    num_q_per_kv = num_heads // num_kv_heads
+    group_pad = _group_pad(num_q_per_kv)
+    block_m = launch.block_q * group_pad
+    assert block_m >= 16, f"block_q * padded group must be >= 16 rows, got {block_m}"
+    splits = launch.num_splits
+    if splits > 1:
+        ws_acc, ws_max, ws_sum = workspace or split_workspace(
+            num_tokens, num_heads, splits, head_dim, query.device)
+        assert ws_acc.shape == (num_tokens, num_heads, splits, head_dim)
+    else:
+        ws_acc = ws_max = ws_sum = out  # not touched without SPLIT_KV
+    # With block_size 1 a "block" is one slot, so the slot stride is the block stride.
+    k_slot = key_cache.stride(0) if block_size == 1 else key_cache.stride(1)
+    v_slot = value_cache.stride(0) if block_size == 1 else value_cache.stride(1)
+    grid = (num_tokens // launch.block_q + num_seqs, num_kv_heads, splits)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, out,
+        ws_acc, ws_max, ws_sum,
+        cu_seqlens_q, seq_lens, block_tables,
+        scale * LOG2E, num_seqs, num_heads, block_size, splits, q_base,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_slot, key_cache.stride(2), v_slot, value_cache.stride(2),
+        block_tables.stride(0),
+        NUM_Q_PER_KV=num_q_per_kv, GROUP_PAD=group_pad,
+        BLOCK_Q=launch.block_q, BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        HEAD_DIM=head_dim, SPLIT_KV=splits > 1,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, ws_acc, ws_max, ws_sum,
+            out.stride(0), out.stride(1), num_heads,
+            NUM_SPLITS=splits, HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,169 @@
+"""The Triton KV-store and paged-attention kernels on CPU, under TRITON_INTERPRET=1.
+
+The interpreter must be switched on before triton is first imported, so each check runs
+this file as a script in a fresh subprocess. Reference: dense float64 attention over the
+per-row keys/values the test generated (never read back from the cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+
+
+@pytest.fixture(scope="module", params=[4, 16], ids=lambda bs: f"block_size={bs}")
+def interpreter_run(request: pytest.FixtureRequest) -> str:
+    """One interpreter subprocess per block size runs every check (start-up is slow)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__, str(request.param)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=280)
+    return f"{proc.stdout}\n{proc.stderr}"
+
+
+def _assert_ok(output: str, check: str) -> None:
+    assert f"OK {check}\n" in output, f"check {check!r} did not pass:\n{output}"
+
+
+def test_store_kv_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "store_kv")
+
+
+def test_backend_mixed_batch_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "backend")
+
+
+def test_kernel_launch_variants_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "launches")
+
+
+# --------------------------------------------------------------------------- subprocess side
+
+
+def _main(block_size: int) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch
+
+    from models.attention_metadata import make_attention_metadata
+    from models.backends.triton_backend import TritonAttentionBackend
+    from models.kernels.paged_attention import AttentionLaunch, paged_attention, split_workspace
+
+    torch.manual_seed(1234 + block_size)
+    nan = float("nan")
+
+    def reference(q, k, v, cached, scale):  # q [L, H, D], k/v [S, Hkv, D] -> [L, H, D] f64
+        group = q.shape[1] // k.shape[1]
+        k = k.double().repeat_interleave(group, 1)
+        v = v.double().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+        pos = cached + torch.arange(q.shape[0])
+        s = s.masked_fill(torch.arange(k.shape[0])[None, :] > pos[:, None], float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+    def make_batch(rows, heads, kv_heads, dim):
+        """rows: (cached_len, q_len). Cache holds the cached part; the rest is NaN."""
+        need = [-(-(c + q) // block_size) for c, q in rows]
+        num_blocks = sum(need) + 2
+        perm = torch.randperm(num_blocks).tolist()
+        tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(rows))]
+        kv_cache = torch.full((2, num_blocks, block_size, kv_heads, dim), nan)
+        flat = kv_cache.view(2, -1, kv_heads, dim)
+        qs, ks, vs, refs, new_k, new_v = [], [], [], [], [], []
+        for (cached, q_len), table in zip(rows, tables, strict=True):
+            k = torch.randn(cached + q_len, kv_heads, dim)
+            v = torch.randn(cached + q_len, kv_heads, dim)
+            q = torch.randn(q_len, heads, dim)
+            for pos in range(cached):
+                slot = table[pos // block_size] * block_size + pos % block_size
+                flat[0, slot], flat[1, slot] = k[pos], v[pos]
+            refs.append(reference(q, k, v, cached, dim**-0.5))
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+            new_k.append(k[cached:])
+            new_v.append(v[cached:])
+        meta = make_attention_metadata([q for _, q in rows], [c + q for c, q in rows], tables,
+                                       block_size)
+        return (torch.cat(qs), torch.cat(new_k), torch.cat(new_v), kv_cache, meta,
+                torch.cat(refs), ks, vs, tables)
+
+    def rel_err(out, ref, meta):
+        cu = meta.cu_seqlens_q_cpu
+        assert not out.isnan().any(), "output not fully written (NaN poison left)"
+        return max(((out[a:b].double() - ref[a:b]).norm() / ref[a:b].norm()).item()
+                   for a, b in zip(cu[:-1], cu[1:], strict=True))
+
+    layouts = [(4, 2, 32), (4, 1, 16), (2, 2, 64)]
+    mixed = [(0, 7), (2 * block_size, 5), (37, 1), (0, 1), (13, 9), (block_size, 1), (70, 3)]
+    def check_store_kv():
+        heads, kv_heads, dim = 4, 2, 32
+        q, key, value, kv_cache, meta, _, ks, vs, tables = make_batch(mixed, heads, kv_heads, dim)
+        slots = meta.slot_mapping.clone()
+        slots[::3] = -1  # these tokens must not be written
+        before = kv_cache.clone()
+        TritonAttentionBackend().store_kv(key, value, kv_cache, slots)
+        flat, flat_before = kv_cache.view(2, -1, kv_heads, dim), before.view(2, -1, kv_heads, dim)
+        written = slots[slots >= 0]
+        assert torch.equal(flat[0, written], key[slots >= 0])
+        assert torch.equal(flat[1, written], value[slots >= 0])
+        untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+        untouched[written] = False
+        assert torch.equal(flat[:, untouched].isnan(), flat_before[:, untouched].isnan())
+        assert torch.equal(flat[:, untouched].nan_to_num(), flat_before[:, untouched].nan_to_num())
+    def check_backend():
+        for heads, kv_heads, dim in layouts:
+            # mixed (shuffled), decode-only (split-KV), decode rows first (two launches),
+            # pure prefill
+            leading_decode = [(37, 1), (5, 1), (0, 1), (0, 7), (13, 9), (2 * block_size, 3)]
+            for rows in (mixed, [(37, 1), (3, 1), (90, 1)], leading_decode, [(0, 12), (0, 3)]):
+                q, key, value, kv_cache, meta, ref, *_ = make_batch(rows, heads, kv_heads, dim)
+                backend = TritonAttentionBackend(num_sms=8)  # few SMs: decode takes split-KV
+                backend.store_kv(key, value, kv_cache, meta.slot_mapping)
+                out = torch.full_like(q, nan)
+                result = backend.forward(q, kv_cache, meta, dim**-0.5, out=out)
+                assert result.data_ptr() == out.data_ptr()
+                err = rel_err(out, ref, meta)
+                assert err < 1e-4, (heads, kv_heads, dim, rows, err)
+                if all(c == 0 for c, _ in rows):  # a pure prefill: the no-cache path too
+                    err = rel_err(backend.forward_no_cache(q, key, value, meta, dim**-0.5),
+                                  ref, meta)
+                    assert err < 1e-4, ("no_cache", heads, kv_heads, dim, rows, err)
+    def check_launches():
+        heads, kv_heads, dim = 4, 2, 32
+        q, key, value, kv_cache, meta, ref, *_ = make_batch(mixed, heads, kv_heads, dim)
+        TritonAttentionBackend().store_kv(key, value, kv_cache, meta.slot_mapping)
+        for block_q, block_n, splits in [(8, 16, 1), (16, 32, 1), (8, 16, 4), (32, 16, 2)]:
+            launch = AttentionLaunch(block_q=block_q, block_n=block_n, num_splits=splits)
+            out = torch.full_like(q, nan)
+            workspace = None
+            if splits > 1:  # poison the partials too: every one must be written
+                workspace = tuple(torch.full_like(w, nan) for w in split_workspace(
+                    q.shape[0], heads, splits, dim, q.device))
+            paged_attention(q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.seq_lens,
+                            meta.block_tables, dim**-0.5, launch, out=out, workspace=workspace)
+            err = rel_err(out, ref, meta)
+            assert err < 1e-4, (block_q, block_n, splits, err)
+    failed = False
+    for name, check in [("store_kv", check_store_kv), ("backend", check_backend),
+                        ("launches", check_launches)]:
+        try:
+            check()
+            print(f"OK {name}", flush=True)
+        except Exception:  # report every check, fail the process at the end
+            failed = True
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))

@@ -115,6 +115,7 @@ def run_core(config: EngineConfig, requests: Connection, outputs: Connection) ->
 
 def _loop(engine, requests: Connection, outputs: Connection) -> None:
     while True:
+        engine.model_runner.check_alive()  # a dead tensor-parallel rank fails even when idle
         # Block only when there is nothing to step; otherwise just drain what arrived.
         timeout = 0 if engine.has_unfinished() else IDLE_POLL_SECONDS
         aborted: list[str] = []

@@ -10,6 +10,7 @@ import torch
 
 from engine_service.config import EngineConfig
 from engine_service.scheduler import ScheduledSeq
+from engine_service.tp_worker import agree_on_num_kv_blocks, start_tensor_parallel
 from models.attention_metadata import AttentionMetadata
 from models.backends import get_attention_backend
 from models.config import Qwen3Config
@@ -57,6 +58,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(rank)
             self.device = torch.device("cuda", rank)
+        # Rank 0 of a tensor-parallel engine starts ranks 1..N-1 and joins their group
+        # before the model is built: the layers size their shards from the group.
+        self.tp = start_tensor_parallel(config, rank, self.device)
+        try:
+            self._build()
+        except BaseException:
+            self.shutdown()  # leave no worker ranks (or process group) behind
+            raise
+        if self.tp is not None:
+            self.tp.ready()
+
+    def _build(self) -> None:
+        """The model shard, its weights, the KV cache and the CUDA graphs (every rank)."""
+        config = self.config
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
         self.model_config = Qwen3Config.from_dir(config.model)
         self.block_size = config.kv_block_size
@@ -78,7 +93,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.vocab_size = self.model_config.vocab_size
 
-        self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.num_kv_blocks = agree_on_num_kv_blocks(self._decide_num_kv_blocks(), self.device)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -89,6 +104,14 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release what outlives the object (TP ranks, graphs)."""
         self.graph_runner = None
+        if self.tp is not None:
+            self.tp.shutdown()
+            self.tp = None
+
+    def check_alive(self) -> None:
+        """Raise RuntimeError if a tensor-parallel rank has died (the core asks while idle)."""
+        if self.tp is not None:
+            self.tp.check_alive()
 
     # ---------------------------------------------------------------- KV cache
 
@@ -242,17 +265,30 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- execution
 
-    @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> StepResult:
+    def run_model(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Forward one batch; logits of its sampling rows [num_rows, vocab], or None. Every
+        tensor-parallel rank runs this on the same batch, so the collectives line up."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(batch)
-        rows = [item for item in batch if item.sample]
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        if not rows:
+        if logits_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> StepResult:
+        if self.tp is None:
+            return self._execute(batch, eos_token_ids)
+        with self.tp.step(batch):  # sends the step to the workers; a dead rank -> clear error
+            return self._execute(batch, eos_token_ids)
+
+    def _execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> StepResult:
+        rows = [item for item in batch if item.sample]
+        logits = self.run_model(batch)
+        if logits is None:
             return StepResult([None] * len(batch), [None] * len(batch))
-        logits = self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
         out = self.sampler(logits, self.prepare_sampling(rows, eos_token_ids))
         # The one host synchronisation of the step: read what was sampled.
         sampled = out.sampled_token_ids.tolist()

@@ -5,6 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.layers.fusion import fused
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in float32 (bf16 squares overflow/underflow); the scale is applied in the
+    # input dtype, in the same order as transformers, so results match it bit for bit.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -12,19 +28,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 (bf16 squares overflow/underflow); the scale is applied in the
-        # input dtype, in the same order as transformers, so results match it bit for bit.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`: x + residual is normalized and also returned
         as the new residual, i.e. (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return fused(rms_norm, x)(x, self.weight, self.eps)
+        return fused(add_rms_norm, x)(x, residual, self.weight, self.eps)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.layers.fusion import fused
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to max_position are precomputed once, in float32.
@@ -28,16 +30,25 @@ class RotaryEmbedding(nn.Module):
         cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_pos, rotary_dim]
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim / 2] (float32)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
-
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H, D]; key [T, Hkv, D] -> rotated (query, key)."""
-        cos_sin = self.cos_sin_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
-        cos, sin = cos_sin.float().chunk(2, dim=-1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return fused(apply_rotary, query)(positions, query, key, self.cos_sin_cache,
+                                          self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            rotary_dim: int) -> torch.Tensor:
+    # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim / 2] (float32)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = rot.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, rotary_dim: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    cos_sin = cos_sin_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
+    cos, sin = cos_sin.float().chunk(2, dim=-1)
+    return _rotate(query, cos, sin, rotary_dim), _rotate(key, cos, sin, rotary_dim)

@@ -69,51 +69,61 @@ def test_cuda_graphs_equal_eager(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def qwen3_06b_dir(tmp_path_factory):
-    """Qwen3-0.6B shape with random bf16 weights, saved by transformers."""
+    """Qwen3-0.6B shape with transformers' own random init (std 0.02), saved in bf16."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from benchmarks.model_configs import PRESETS
 
     out = tmp_path_factory.mktemp("qwen3-0.6b")
-    cfg = dict(PRESETS["qwen3-0.6b"])
-    cfg.pop("architectures")
-    cfg.pop("model_type")
-    config = Qwen3Config(**cfg)
+    cfg = {k: v for k, v in PRESETS["qwen3-0.6b"].items()
+           if k not in ("architectures", "model_type")}
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    # Wider random weights than the default init, so next-token choices are not near-ties.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.05 if "embed" not in name else 0.5)
-    model.save_pretrained(out)
+    Qwen3ForCausalLM(Qwen3Config(**cfg)).to(torch.bfloat16).save_pretrained(out)
     return out
 
 
 def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
+    """Raw agreement is bounded by bf16 itself on random weights (near-tied logits flip
+    under any bf16 rounding: transformers' bf16 run disagrees with its own float32 run as
+    often). So: (a) we agree with transformers-bf16 at least as often as transformers-bf16
+    agrees with transformers-fp32, and (b) >= 98% at positions bf16 can decide, i.e. where
+    the float32 top-1/top-2 margin exceeds 2x the bf16-vs-fp32 logit error there."""
     from transformers import AutoModelForCausalLM
 
+    prompts = _prompts(32, 10000, seed=11, lo=64, hi=256)
     hf = AutoModelForCausalLM.from_pretrained(qwen3_06b_dir, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        ref16 = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
+        hf.float()
+        ref32 = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
+    del hf
     llm = LLM(str(qwen3_06b_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
               max_model_len=1024, enforce_eager=True)
-    runner = llm.engine.model_runner
-    prompts = _prompts(32, 10000, seed=11, lo=64, hi=256)
-    agree = total = 0
+    runner, bm = llm.engine.model_runner, llm.engine.block_manager
+    ours = []
     for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p], device="cuda")).logits[0].argmax(-1)
         seq = Sequence(f"tf-{i}", p, SamplingParams())
-        bm = llm.engine.block_manager
         bm.allocate(seq, len(p))
         try:
             with torch.inference_mode():
                 ids, pos, meta, _ = runner.prepare_inputs([ScheduledSeq(seq, len(p), True)])
                 hidden = runner.model(ids, pos, meta)
-                ours = runner.model.compute_logits(hidden).argmax(-1)
+                ours.append(runner.model.compute_logits(hidden).argmax(-1))
         finally:
             bm.free(seq)
-        agree += (ours == ref).sum().item()
-        total += len(p)
-    rate = agree / total
-    print(f"bf16 teacher-forced argmax agreement: {rate:.4f} over {total} positions")
-    assert rate >= 0.98
+    a16 = torch.cat([r.argmax(-1) for r in ref16])
+    a32 = torch.cat([r.argmax(-1) for r in ref32])
+    mine = torch.cat(ours)
+    top2 = torch.cat([r.topk(2, dim=-1).values for r in ref32])
+    margin = top2[:, 0] - top2[:, 1]
+    noise = torch.cat([(x - y).pow(2).mean(-1).sqrt() for x, y in zip(ref16, ref32,
+                                                                     strict=True)])
+    decidable = margin > 2 * noise
+    rate = (mine == a16).float().mean().item()
+    floor = (a16 == a32).float().mean().item()
+    decided = (mine[decidable] == a16[decidable]).float().mean().item()
+    print(f"bf16 teacher-forced argmax agreement: {rate:.4f} over {mine.numel()} positions; "
+          f"transformers bf16 vs its own float32: {floor:.4f}; at the "
+          f"{decidable.float().mean().item():.0%} decidable positions: {decided:.4f}")
+    assert rate >= floor - 0.01
+    assert decided >= 0.98

@@ -186,6 +186,11 @@ LAUNCHES = [AttentionLaunch(block_q=bq, block_n=bn, num_splits=s)
 def test_forced_launches_on_mixed_batch(launch: AttentionLaunch, layout: tuple[int, int, int],
                                         dtype: torch.dtype) -> None:
     """Every tile/split shape on one batch mixing decode, prefill, prefix hit and chunk."""
+    if dtype == torch.float32 and launch.block_q * launch.block_n >= 64 * 64 and \
+            layout[2] == 128:
+        # choose_launch keeps fp32 tiles at block_n 32: 64x64 fp32 tiles of d128 need more
+        # shared memory (263 KB) than a Hopper SM has (227 KB), so Triton refuses them.
+        pytest.skip("tile shape choose_launch never picks for fp32 head_dim 128")
     seed = _seed("launch", launch, layout, dtype)
     batch = make_batch(_rows("mixed_all", 16, random.Random(seed)), layout, 16, dtype, seed)
     TritonAttentionBackend().store_kv(batch.key, batch.value, batch.kv_cache,

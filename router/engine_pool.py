@@ -1,0 +1,349 @@
+"""The engines behind the router: discovery, health, load and KV-event subscriptions.
+
+One `EngineClient` per engine address owns a channel and three background loops:
+  * health: grpc.health.v1 Check every `health_interval` s; on every turn to SERVING it
+    (re)reads GetModelInfo (block size, hash scheme, engine id) — an engine that
+    restarted may have changed.
+  * load: GetLoad every `load_interval` s. Between two reports the router adds what it
+    sent itself (`begin_request`), so a burst does not pile onto one engine before the
+    engine's figure catches up; a sent request stops counting once a report that was
+    asked for after it arrives, or when it ends.
+  * KV events (while the engine serves): SubscribeKvEvents into the PrefixIndex; a broken
+    stream resumes after the last sequence number, a gap re-subscribes from 0 (snapshot).
+Passive detection: `record_failure` (transport / server-side errors only) takes the engine
+out of rotation for an exponential backoff; `record_success` resets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_service.block_hash import HASH_SCHEME
+from nanoserve.v1 import nanoserve_pb2, nanoserve_pb2_grpc
+from router.config import RouterConfig, split_host_port
+from router.metrics import RouterMetrics
+from router.prefix_index import ApplyResult, PrefixIndex
+
+log = logging.getLogger("nanoserve.router")
+
+Resolver = Callable[[str], Awaitable[list[str]]]
+
+_KV_RECONNECT_MIN_S = 0.05
+_KV_RECONNECT_MAX_S = 2.0
+
+
+async def resolve_dns(name_port: str) -> list[str]:
+    """NAME:PORT -> sorted HOST:PORT of every address it resolves to (IPv6 in brackets)."""
+    host, port = split_host_port(name_port)
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses = set()
+    for family, _type, _proto, _name, sockaddr in infos:
+        ip = sockaddr[0]
+        addresses.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(addresses)
+
+
+@contextlib.contextmanager
+def _log_unexpected(key: str, what: str):
+    """Keep an engine's background loop alive through a bug in one iteration."""
+    try:
+        yield
+    except Exception:
+        log.exception("engine %s: %s failed unexpectedly", key, what)
+
+
+class EngineClient:
+    def __init__(self, address: str, config: RouterConfig, index: PrefixIndex,
+                 metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.key = address
+        self.config = config
+        self.index = index
+        self.metrics = metrics
+        self._clock = clock
+        self.channel = grpc.aio.insecure_channel(address)
+        self.generation = nanoserve_pb2_grpc.GenerationStub(self.channel)
+        self.engine = nanoserve_pb2_grpc.EngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: nanoserve_pb2.ModelInfo | None = None
+        self.problem: str | None = None          # set when the router cannot use this engine
+        self.serving = False
+        self._serving_event = asyncio.Event()  # KV subscriptions wait for a serving engine
+        self.accepting = True
+        self.reported_load = 0                    # Load.tokens_in_flight, last report
+        self._pending: dict[int, tuple[float, int]] = {}   # handle -> (sent at, tokens)
+        self._handles = itertools.count()
+        self.failures = 0
+        self.down_until = 0.0
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def engine_id(self) -> str:
+        return self.info.engine_id if self.info is not None and self.info.engine_id else self.key
+
+    @property
+    def block_size(self) -> int:
+        assert self.info is not None
+        return self.info.kv_block_size
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(loop(), name=f"{loop.__name__}:{self.key}")
+                       for loop in (self._health_loop, self._load_loop, self._kv_loop)]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.channel.close()
+
+    # ---- state ------------------------------------------------------------------------
+
+    def routable(self) -> bool:
+        return (self.info is not None and self.problem is None and self.serving
+                and self.accepting and self._clock() >= self.down_until)
+
+    def state(self) -> str:
+        """Why this engine can or cannot take requests, for error messages."""
+        if self.problem is not None:
+            return self.problem
+        if not self.serving:
+            return "failing health checks"
+        if self.info is None:
+            return "model info not read yet"
+        if not self.accepting:
+            return "not accepting requests (draining)"
+        if self._clock() < self.down_until:
+            return f"backing off after {self.failures} failure(s)"
+        return "ok"
+
+    def load(self) -> float:
+        """Tokens in flight: the engine's last report plus what was sent since."""
+        return self.reported_load + sum(tokens for _, tokens in self._pending.values())
+
+    def begin_request(self, tokens: int) -> int:
+        handle = next(self._handles)
+        self._pending[handle] = (self._clock(), tokens)
+        return handle
+
+    def end_request(self, handle: int) -> None:
+        self._pending.pop(handle, None)
+
+    def record_failure(self, code: grpc.StatusCode) -> None:
+        self.failures += 1
+        backoff = min(self.config.failure_backoff * 2 ** (self.failures - 1),
+                      self.config.failure_backoff_max)
+        self.down_until = self._clock() + backoff
+        self.metrics.engine_failures.labels(self.key, code.name).inc()
+        self.metrics.engine_healthy.labels(self.key).set(0)
+        log.warning("engine %s failed (%s, %d in a row): out of rotation for %.1fs",
+                    self.key, code.name, self.failures, backoff)
+
+    def record_success(self) -> None:
+        if self.failures:
+            log.info("engine %s recovered", self.key)
+        self.failures = 0
+        self.down_until = 0.0
+
+    def _update_health_gauge(self) -> None:
+        self.metrics.engine_healthy.labels(self.key).set(1 if self.routable() else 0)
+
+    # ---- loops ------------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        timeout = max(self.config.health_interval, 0.5)
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as e:
+            log.debug("engine %s health check failed: %s", self.key, e.code().name)
+            serving = False
+        if serving and not self.serving:
+            serving = await self._read_model_info(timeout)
+            if serving:
+                log.info("engine %s (%s) is serving", self.key, self.engine_id)
+        elif self.serving and not serving:
+            log.warning("engine %s stopped serving", self.key)
+        self.serving = serving
+        if serving:
+            self._serving_event.set()
+        else:
+            self._serving_event.clear()
+        self._update_health_gauge()
+
+    async def _read_model_info(self, timeout: float) -> bool:
+        try:
+            info = await self.engine.GetModelInfo(nanoserve_pb2.GetModelInfoRequest(),
+                                                  timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            log.warning("engine %s: GetModelInfo failed: %s", self.key, e.code().name)
+            return False
+        self.info = info
+        self.problem = None
+        if info.hash_scheme != HASH_SCHEME:
+            self.problem = (f"hash scheme {info.hash_scheme!r} differs from the router's "
+                            f"{HASH_SCHEME!r}")
+        elif info.kv_block_size < 1:
+            self.problem = "reports kv_block_size 0"
+        if self.problem:
+            log.error("engine %s not used: %s", self.key, self.problem)
+        return True
+
+    async def _health_loop(self) -> None:
+        while True:
+            with _log_unexpected(self.key, "health check"):
+                await self.check_health()
+            await asyncio.sleep(self.config.health_interval)
+
+    async def poll_load(self) -> None:
+        asked_at = self._clock()
+        try:
+            load = await self.engine.GetLoad(nanoserve_pb2.GetLoadRequest(),
+                                             timeout=max(self.config.load_interval * 5, 1.0))
+        except grpc.aio.AioRpcError:
+            return  # the health loop decides about the engine
+        self.reported_load = load.tokens_in_flight
+        self.accepting = load.accepting
+        for handle, (sent_at, _) in list(self._pending.items()):
+            if sent_at < asked_at:
+                del self._pending[handle]
+        self.metrics.engine_load.labels(self.key).set(load.tokens_in_flight)
+
+    async def _load_loop(self) -> None:
+        while True:
+            with _log_unexpected(self.key, "load poll"):
+                if self.serving:
+                    await self.poll_load()
+                self._update_health_gauge()
+            await asyncio.sleep(self.config.load_interval)
+
+    async def _kv_loop(self) -> None:
+        delay = _KV_RECONNECT_MIN_S
+        while True:
+            await self._serving_event.wait()
+            resubscribe_now = False
+            with _log_unexpected(self.key, "KV event stream"):
+                resubscribe_now = await self._follow_kv_events()
+            if resubscribe_now:
+                delay = _KV_RECONNECT_MIN_S
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _KV_RECONNECT_MAX_S)
+
+    async def _follow_kv_events(self) -> bool:
+        """One subscription; True when it ended on a gap (re-subscribe for a snapshot)."""
+        after = self.index.resume_point(self.key)
+        call = self.engine.SubscribeKvEvents(
+            nanoserve_pb2.SubscribeKvEventsRequest(after_sequence_number=after))
+        try:
+            async for batch in call:
+                if (self.info is not None and batch.kv_block_size
+                        and batch.kv_block_size != self.info.kv_block_size):
+                    log.warning("engine %s: KV events in blocks of %d, model info says %d",
+                                self.key, batch.kv_block_size, self.info.kv_block_size)
+                result = self.index.apply_batch(
+                    self.key, batch.sequence_number, batch.snapshot,
+                    batch.block_hashes_stored, batch.block_hashes_removed)
+                if result is not ApplyResult.APPLIED:
+                    log.info("engine %s: KV events %s at sequence %d; re-snapshotting",
+                             self.key, result.value, batch.sequence_number)
+                    self.index.reset(self.key)
+                    return True
+        except grpc.aio.AioRpcError as e:
+            log.debug("engine %s: KV event stream ended: %s", self.key, e.code().name)
+        finally:
+            call.cancel()
+        return False
+
+
+class EnginePool:
+    """Every known engine, from a static list or a periodically re-resolved DNS name."""
+
+    def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics,
+                 resolver: Resolver = resolve_dns,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.index = index
+        self.metrics = metrics
+        self._resolver = resolver
+        self._clock = clock
+        self._engines: dict[str, EngineClient] = {}
+        self._dns_task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # engines that left, closing
+
+    async def start(self) -> None:
+        if self.config.engine:
+            self.set_addresses(self.config.engine)
+        else:
+            await self._resolve_once()
+            self._dns_task = asyncio.create_task(self._dns_loop(), name="dns")
+
+    async def close(self) -> None:
+        if self._dns_task is not None:
+            self._dns_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dns_task
+        await asyncio.gather(*(e.close() for e in self._engines.values()), *self._closing)
+        self._engines.clear()
+
+    def set_addresses(self, addresses: Iterable[str]) -> None:
+        """Make the pool hold exactly these engines (new ones join, missing ones leave)."""
+        wanted = set(addresses)
+        for key in sorted(set(self._engines) - wanted):
+            client = self._engines.pop(key)
+            log.info("engine %s left the pool", key)
+            self.index.remove_engine(key)
+            self.metrics.forget_engine(key)
+            task = asyncio.create_task(client.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        for key in sorted(wanted - set(self._engines)):
+            log.info("engine %s joined the pool", key)
+            client = EngineClient(key, self.config, self.index, self.metrics, self._clock)
+            self._engines[key] = client
+            client.start()
+
+    async def _resolve_once(self) -> None:
+        assert self.config.engine_dns is not None
+        try:
+            addresses = await self._resolver(self.config.engine_dns)
+        except (OSError, ValueError) as e:
+            log.warning("cannot resolve %s (%s); keeping %d engine(s)", self.config.engine_dns,
+                        e, len(self._engines))
+            return
+        self.set_addresses(addresses)
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.dns_interval)
+            await self._resolve_once()
+
+    def engines(self) -> list[EngineClient]:
+        return list(self._engines.values())
+
+    def get(self, key: str) -> EngineClient | None:
+        return self._engines.get(key)
+
+    def routable(self) -> list[EngineClient]:
+        return [e for e in self._engines.values() if e.routable()]
+
+    async def wait_ready(self, num_engines: int = 1, timeout: float = 10.0,
+                         with_snapshot: bool = True) -> bool:
+        """Wait until `num_engines` engines are routable (and their KV snapshot is in)."""
+        deadline = self._clock() + timeout
+        while self._clock() < deadline:
+            ready = [e for e in self.routable()
+                     if not with_snapshot or self.index.has_snapshot(e.key)]
+            if len(ready) >= num_engines:
+                return True
+            await asyncio.sleep(0.02)
+        return False

@@ -1,0 +1,417 @@
+"""The router's Generation service: tokenize once, route, forward token ids, fail over.
+
+A request's life here:
+  1. check its shape (one prompt present); sampling values are the engines' to check —
+     their INVALID_ARGUMENT comes back to the client unchanged;
+  2. turn the prompt into token ids (text and chat messages with the engines' tokenizer);
+  3. score the routable engines (router.policy) and send the ids to the winner's Stream
+     (the unary Generate is served from the same stream, so it fails over the same way);
+  4. forward every chunk as the engine wrote it (engine_id included);
+  5. on a transport / server-side error: if no token reached the client yet, send the
+     same request to another engine; otherwise continue on another engine from prompt +
+     tokens already sent, with max_tokens and min_tokens reduced by what was sent and the
+     same seed, so the client's stream goes on with no token twice.
+
+Continuation and text: the new engine detokenizes only the tokens it generates, so text
+that the failed engine held back (an incomplete UTF-8 character, a possible stop string)
+would be lost. When the router has a tokenizer and the request has no stop strings, it
+decodes the tokens already sent and prepends what the client has not seen to the first
+continued chunk. token_ids are always exact; text across a failover is best effort, and a
+stop string spanning the failover point is not detected. The last chunk's usage is
+rewritten to the client's view: prompt_tokens = the original prompt, completion_tokens =
+every token sent, cached_prompt_tokens as reported by the finishing engine (capped at the
+prompt). Greedy requests without presence/frequency penalties continue exactly as one
+engine would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_service.block_hash import hash_prompt_blocks
+from engine_service.sampling_params import SamplingParams
+from nanoserve.v1 import nanoserve_pb2 as pb
+from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.engine_pool import EngineClient, EnginePool, Resolver, resolve_dns
+from router.metrics import RouterMetrics
+from router.policy import Candidate, Decision, choose
+from router.prefix_index import PrefixIndex
+from router.tokenizer_source import TokenizerSource, TokenizerUnavailable
+
+log = logging.getLogger("nanoserve.router")
+
+Code = grpc.StatusCode
+# Worth another engine: the engine broke, is overloaded or went away.
+RETRYABLE = frozenset({Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN, Code.DATA_LOSS,
+                       Code.CANCELLED, Code.UNIMPLEMENTED, Code.ABORTED,
+                       Code.RESOURCE_EXHAUSTED})
+# Counted against the engine's health (a full queue is not a fault).
+ENGINE_FAULTS = RETRYABLE - {Code.RESOURCE_EXHAUSTED, Code.ABORTED}
+DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass
+class _Progress:
+    """What the client has received of one request, for a continuation."""
+
+    sent_ids: list[int] = field(default_factory=list)
+    sent_text: list[str] = field(default_factory=list)
+    owed_text: str = ""  # text held back by a failed engine, owed to the next chunk
+
+
+class _Abort(Exception):
+    """End the client's RPC with this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def continuation_request(original: pb.GenerateRequest, request_id: str, prompt_ids: list[int],
+                         sent_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
+    """The request for the engine: the prompt as token ids; after a failover, prompt + tokens
+    already sent, with max_tokens / min_tokens reduced by what was sent (seed unchanged)."""
+    request = pb.GenerateRequest(request_id=request_id)
+    request.sampling.CopyFrom(original.sampling)
+    request.token_ids.ids.extend(prompt_ids)
+    if sent_ids:
+        request.token_ids.ids.extend(sent_ids)
+        request.sampling.max_tokens = max_tokens - len(sent_ids)
+        if request.sampling.min_tokens:
+            request.sampling.min_tokens = max(request.sampling.min_tokens - len(sent_ids), 0)
+    return request
+
+
+def held_back_text(tokenizer, sent_ids: list[int], sent_text: str,
+                   skip_special_tokens: bool) -> str:
+    """Text of `sent_ids` that the client has not received (best effort, see module doc)."""
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None or not sent_ids:
+        return ""
+    full = decode(sent_ids, skip_special_tokens=skip_special_tokens)
+    if not full.startswith(sent_text):
+        return ""
+    return full[len(sent_text):].rstrip("\ufffd")
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, config: RouterConfig, pool: EnginePool, index: PrefixIndex,
+                 tokenizers: TokenizerSource, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.policy = config.policy_config()
+        self.pool = pool
+        self.index = index
+        self.tokenizers = tokenizers
+        self.metrics = metrics
+        self._rng = random.Random(config.seed)
+        self._rr = itertools.count()
+
+    # ---- RPCs -------------------------------------------------------------------------
+
+    async def Stream(self, request: pb.GenerateRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        try:
+            async for chunk in self._run(request, context):
+                yield chunk
+        except _Abort as e:
+            self.metrics.errors.labels(e.code.name).inc()
+            await context.abort(e.code, e.message)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        response = pb.GenerateResponse()
+        texts: list[str] = []
+        try:
+            async for chunk in self._run(request, context):
+                response.request_id = chunk.request_id
+                response.token_ids.extend(chunk.token_ids)
+                texts.append(chunk.text)
+                response.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason:
+                    response.finish_reason = chunk.finish_reason
+                    response.stop_reason = chunk.stop_reason
+                if chunk.HasField("usage"):
+                    response.usage.CopyFrom(chunk.usage)
+                response.engine_id = chunk.engine_id
+        except _Abort as e:
+            self.metrics.errors.labels(e.code.name).inc()
+            await context.abort(e.code, e.message)
+        response.text = "".join(texts)
+        return response
+
+    # ---- one request ------------------------------------------------------------------
+
+    async def _run(self, request: pb.GenerateRequest,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        prompt_ids = await self._prompt_ids(request)
+        request_id = request.request_id or uuid.uuid4().hex
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        progress = _Progress()
+        tried: set[str] = set()
+        errors: list[tuple[str, grpc.StatusCode, str]] = []
+        engine: EngineClient | None = None
+        for attempt in range(self.config.max_attempts):
+            if len(progress.sent_ids) >= max_tokens:
+                break  # every token went out before the engine failed
+            routed = self._route(request_id, prompt_ids + progress.sent_ids, tried,
+                                 max_tokens - len(progress.sent_ids))
+            if routed is None:
+                break
+            engine, handle = routed
+            tried.add(engine.key)
+            chunks = self._forward(engine, request, request_id, prompt_ids, max_tokens,
+                                   progress, context)
+            try:
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        yield chunk
+                engine.record_success()
+                return
+            except grpc.aio.AioRpcError as e:
+                errors.append(self._engine_failed(engine, e, request, request_id, progress,
+                                                  attempt))
+            finally:
+                engine.end_request(handle)
+        if progress.sent_ids and len(progress.sent_ids) >= max_tokens:
+            yield self._length_chunk(request_id, prompt_ids, progress, engine)
+            return
+        raise self._unavailable(request_id, errors)
+
+    async def _forward(self, engine: EngineClient, request: pb.GenerateRequest, request_id: str,
+                       prompt_ids: list[int], max_tokens: int, progress: _Progress,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        """One engine's stream, as the client must see it; raises the engine's AioRpcError."""
+        num_sent_before = len(progress.sent_ids)
+        engine_request = continuation_request(request, request_id, prompt_ids,
+                                              progress.sent_ids, max_tokens)
+        call = engine.generation.Stream(engine_request, timeout=_time_left(context))
+        try:
+            async for chunk in call:
+                if num_sent_before and chunk.HasField("usage"):
+                    _to_client_view(chunk.usage, len(prompt_ids), num_sent_before)
+                if progress.owed_text:
+                    chunk.text = progress.owed_text + chunk.text
+                    progress.owed_text = ""
+                yield chunk
+                progress.sent_ids.extend(chunk.token_ids)
+                progress.sent_text.append(chunk.text)
+        finally:
+            call.cancel()  # no-op when done; propagates client cancellation otherwise
+
+    def _engine_failed(self, engine: EngineClient, error: grpc.aio.AioRpcError,
+                       request: pb.GenerateRequest, request_id: str, progress: _Progress,
+                       attempt: int) -> tuple[str, grpc.StatusCode, str]:
+        """Classify an engine's error: pass it to the client (raises _Abort) or note it and
+        let the caller try another engine."""
+        code, details = error.code(), error.details() or ""
+        if code not in RETRYABLE:
+            raise _Abort(code, details)  # the engine's verdict, unchanged
+        if code in ENGINE_FAULTS:
+            engine.record_failure(code)
+        if progress.sent_ids:
+            self.metrics.failovers.labels(engine.key).inc()
+            if not progress.owed_text:
+                progress.owed_text = self._held_back(request, progress)
+        else:
+            self.metrics.retries.labels(engine.key).inc()
+        log.info("request %s: engine %s failed with %s after %d token(s) (attempt %d of %d): %s",
+                 request_id, engine.key, code.name, len(progress.sent_ids), attempt + 1,
+                 self.config.max_attempts, details)
+        return engine.key, code, details
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise _Abort(Code.INVALID_ARGUMENT,
+                         "prompt is missing: set exactly one of text, token_ids or messages")
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "messages" and not request.messages.messages:
+            raise _Abort(Code.INVALID_ARGUMENT, "messages: at least one message is required")
+        try:
+            tokenizer = await self.tokenizers.get(self.pool)
+        except TokenizerUnavailable as e:
+            raise _Abort(Code.UNAVAILABLE, str(e)) from None
+        if kind == "text":
+            return list(await asyncio.to_thread(tokenizer.encode, request.text))
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        try:
+            return list(await asyncio.to_thread(tokenizer.encode_chat, messages))
+        except Exception as e:  # the chat template rejected the messages
+            raise _Abort(Code.INVALID_ARGUMENT, f"messages: {e}") from None
+
+    def _route(self, request_id: str, token_ids: list[int], tried: set[str],
+               max_tokens: int) -> tuple[EngineClient, int] | None:
+        engines = [e for e in self.pool.routable() if e.key not in tried]
+        if not engines:
+            return None
+        hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
+        candidates = []
+        for e in engines:
+            bs = e.block_size
+            if bs not in hashes:
+                hashes[bs] = hash_prompt_blocks(token_ids, bs)
+            cached = self.index.match(e.key, hashes[bs]) * bs
+            candidates.append(Candidate(e.key, e.load(), cached))
+        decision: Decision = choose(candidates, len(token_ids), self.policy, self._rng,
+                                    next(self._rr))
+        engine = next(e for e in engines if e.key == decision.key)
+        chosen = next(c for c in candidates if c.key == decision.key)
+        self.index.insert_optimistic(engine.key, hashes[engine.block_size])
+        handle = engine.begin_request(len(token_ids) - chosen.cached_tokens + max_tokens)
+        self.metrics.requests.labels(engine.key, decision.reason).inc()
+        self.metrics.prompt_tokens.labels(engine.key).inc(len(token_ids))
+        self.metrics.prefix_matched_tokens.labels(engine.key).inc(chosen.cached_tokens)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route request=%s engine=%s reason=%s prompt_tokens=%d matched_tokens=%d "
+                      "cost=%.0f load=%.0f candidates=[%s]", request_id, engine.key,
+                      decision.reason, len(token_ids), chosen.cached_tokens, decision.cost,
+                      chosen.load, ", ".join(f"{c.key} cached={c.cached_tokens} load={c.load:.0f}"
+                                             for c in candidates))
+        return engine, handle
+
+    def _held_back(self, request: pb.GenerateRequest, progress: _Progress) -> str:
+        tokenizer = self.tokenizers.loaded
+        if tokenizer is None or request.sampling.stop:
+            return ""
+        sampling = request.sampling
+        skip_special = (sampling.skip_special_tokens
+                        if sampling.HasField("skip_special_tokens") else True)
+        try:
+            return held_back_text(tokenizer, progress.sent_ids, "".join(progress.sent_text),
+                                  skip_special)
+        except Exception:  # best effort only: never fail a stream over its text
+            log.debug("held-back text not recovered", exc_info=True)
+            return ""
+
+    def _length_chunk(self, request_id: str, prompt_ids: list[int], progress: _Progress,
+                      engine: EngineClient | None) -> pb.GenerateChunk:
+        """Every token was sent before the engine failed: end the stream as it would have."""
+        return pb.GenerateChunk(
+            request_id=request_id, text=progress.owed_text,
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            usage=pb.Usage(prompt_tokens=len(prompt_ids),
+                           completion_tokens=len(progress.sent_ids)),
+            engine_id=engine.engine_id if engine is not None else "")
+
+    def _unavailable(self, request_id: str,
+                     errors: list[tuple[str, grpc.StatusCode, str]]) -> _Abort:
+        if errors and all(code is Code.RESOURCE_EXHAUSTED for _, code, _ in errors):
+            return _Abort(Code.RESOURCE_EXHAUSTED,
+                          f"every engine tried is at capacity; retry later (request {request_id})")
+        tried = "; ".join(f"{key}: {code.name} {details}".strip()
+                          for key, code, details in errors)
+        states = ", ".join(f"{e.key} ({e.state()})" for e in self.pool.engines()) or "none"
+        message = f"no healthy engine could take request {request_id}"
+        if tried:
+            message += f"; tried {tried}"
+        return _Abort(Code.UNAVAILABLE, f"{message}; engines: {states}")
+
+
+def _to_client_view(usage: pb.Usage, num_prompt_tokens: int, num_sent_before: int) -> None:
+    """A continuing engine counts the tokens sent before as prompt; the client does not."""
+    usage.completion_tokens += num_sent_before
+    usage.cached_prompt_tokens = min(usage.cached_prompt_tokens, num_prompt_tokens)
+    usage.prompt_tokens = num_prompt_tokens
+
+
+def _time_left(context: grpc.aio.ServicerContext) -> float | None:
+    """The client's remaining deadline, passed on to the engine call (None = no deadline)."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 1e8:
+        return None
+    return max(remaining, 0.0)
+
+
+class Router:
+    """The router process: gRPC server (Generation, health, reflection), engine pool,
+    prefix index, metrics endpoint."""
+
+    def __init__(self, config: RouterConfig, resolver: Resolver = resolve_dns) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.index = PrefixIndex(config.optimistic_ttl)
+        self.pool = EnginePool(config, self.index, self.metrics, resolver)
+        self.tokenizers = TokenizerSource(config.tokenizer)
+        self.servicer = GenerationServicer(config, self.pool, self.index, self.tokenizers,
+                                           self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._metrics_server = None
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port."""
+        self.tokenizers.load_dir()
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc's way of saying the port is taken
+            raise OSError(f"cannot listen on {address}: {e}") from None
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await self._set_health(False)
+        await server.start()
+        self._server = server
+        await self.pool.start()
+        self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        if self.config.metrics_port:
+            self._metrics_server = self.metrics.serve(self.config.host, self.config.metrics_port)
+        log.info("router listening on %s:%d (policy %s)", self.config.host, self.port,
+                 self.config.policy)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._server is not None:
+            await self._set_health(False)
+            await self._server.stop(grace)
+        await self.pool.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _health_loop(self) -> None:
+        """SERVING while at least one engine can take requests."""
+        serving = None
+        while True:
+            now_serving = bool(self.pool.routable())
+            if now_serving != serving:
+                await self._set_health(now_serving)
+                serving = now_serving
+            self.index.expire()
+            await asyncio.sleep(min(self.config.health_interval, 0.5))

@@ -45,7 +45,7 @@ class RequestState:
     request_id: str
     params: SamplingParams
     num_prompt_tokens: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
@@ -58,7 +58,9 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                  outputs: Connection, max_in_flight: int, metrics: EngineMetrics):
         self.model_dir = model_dir
         self.engine_id = engine_id
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        # A --load-format dummy directory may hold only config.json: token ids in and out.
+        has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer else None
         self._requests = requests
         self._outputs = outputs
         self.max_in_flight = max_in_flight
@@ -166,6 +168,9 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
+        if kind in ("text", "messages") and self.tokenizer is None:
+            raise ValueError(f"prompt must be token_ids: this engine has no tokenizer, got "
+                             f"{kind}")
         if kind == "text":
             return self.tokenizer.encode(request.text)
         if kind == "token_ids":
@@ -195,14 +200,18 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             params = sampling_params_from_proto(request.sampling)
             ids = self._prompt_ids(request)
             validate_prompt(ids, self.model_info["max_model_len"], self.model_info["vocab_size"])
+            if params.stop and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer, which this engine lacks; "
+                                 "use stop_token_ids")
         except ValueError as e:
             await self._abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if len(self.registry) >= self.max_in_flight:
             await self._abort_rpc(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"the engine's queue is full ({self.max_in_flight} requests "
                                   f"in flight); retry later")
-        state = RequestState(rid, params, len(ids), IncrementalDetokenizer(
-            self.tokenizer, ids, params.skip_special_tokens, params.stop))
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, ids, params.skip_special_tokens, params.stop)
+        state = RequestState(rid, params, len(ids), detok)
         self.registry[rid] = state
         self.idle.clear()
         self._send(core.AddRequest(rid, ids, params))
@@ -250,12 +259,14 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=False):
             if lp is not None:
                 chunk.logprobs.append(logprob_to_proto(token, lp))
-        upd = state.detok.update(out.new_token_ids)
-        chunk.text += upd.text_delta
-        if upd.stopped:
+        upd = state.detok.update(out.new_token_ids) if state.detok is not None else None
+        if upd is not None:
+            chunk.text += upd.text_delta
+        if upd is not None and upd.stopped:
             self._finish(state, chunk, "stop", upd.stop_string, out)
         elif out.finished:
-            chunk.text += state.detok.finish()
+            if state.detok is not None:
+                chunk.text += state.detok.finish()
             state.done = True  # the core already freed it
             self._finish(state, chunk, out.finish_reason, out.stop_reason, out)
         return state.done

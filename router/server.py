@@ -179,6 +179,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             try:
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
+                        engine.request_started(handle)  # a no-op after the first chunk
                         yield chunk
                 engine.record_success()
                 return
@@ -372,6 +373,9 @@ class Router:
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         await self._set_health(False)
+        # "liveness" answers SERVING while the process runs: a liveness probe on "" would
+        # restart every router while its engines are still loading.
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server = server
         await self.pool.start()

@@ -45,7 +45,7 @@ for t in targets[1:] + targets[:1]:  # engines first, then the router
         time.sleep(0.3)
 PY
 
-echo "streaming through the router (127.0.0.1:$ROUTER_PORT):"
+echo "streaming through the router (127.0.0.1:$ROUTER_PORT; the tiny model has random weights, so the text is noise):"
 echo "> $PROMPT"
 "$BIN/nanoserve" generate --target "127.0.0.1:$ROUTER_PORT" --stream --max-tokens 48 \
   --temperature 0.7 --seed 1 "$PROMPT"

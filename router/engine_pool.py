@@ -6,8 +6,11 @@ One `EngineClient` per engine address owns a channel and three background loops:
     restarted may have changed.
   * load: GetLoad every `load_interval` s. Between two reports the router adds what it
     sent itself (`begin_request`), so a burst does not pile onto one engine before the
-    engine's figure catches up; a sent request stops counting once a report that was
-    asked for after it arrives, or when it ends.
+    engine's figure catches up. A sent request stops counting when it ends, or once a
+    report arrives that was asked for after the engine's first chunk of it
+    (`request_started`): the engine counts a request in its figures only from the step
+    that produced that chunk, so a report asked for merely after the *send* may not hold
+    it yet (it would make a burst's engine look idle until the next report).
   * KV events (while the engine serves): SubscribeKvEvents into the PrefixIndex; a broken
     stream resumes after the last sequence number, a gap re-subscribes from 0 (snapshot).
 Passive detection: `record_failure` (transport / server-side errors only) takes the engine
@@ -79,7 +82,8 @@ class EngineClient:
         self._serving_event = asyncio.Event()  # KV subscriptions wait for a serving engine
         self.accepting = True
         self.reported_load = 0                    # Load.tokens_in_flight, last report
-        self._pending: dict[int, tuple[float, int]] = {}   # handle -> (sent at, tokens)
+        # handle -> (tokens, when its first chunk arrived or None before that)
+        self._pending: dict[int, tuple[int, float | None]] = {}
         self._handles = itertools.count()
         self.failures = 0
         self.down_until = 0.0
@@ -128,12 +132,18 @@ class EngineClient:
 
     def load(self) -> float:
         """Tokens in flight: the engine's last report plus what was sent since."""
-        return self.reported_load + sum(tokens for _, tokens in self._pending.values())
+        return self.reported_load + sum(tokens for tokens, _ in self._pending.values())
 
     def begin_request(self, tokens: int) -> int:
         handle = next(self._handles)
-        self._pending[handle] = (self._clock(), tokens)
+        self._pending[handle] = (tokens, None)
         return handle
+
+    def request_started(self, handle: int) -> None:
+        """The request's first chunk arrived: the engine's own figures count it from now."""
+        entry = self._pending.get(handle)
+        if entry is not None and entry[1] is None:
+            self._pending[handle] = (entry[0], self._clock())
 
     def end_request(self, handle: int) -> None:
         self._pending.pop(handle, None)
@@ -213,8 +223,8 @@ class EngineClient:
             return  # the health loop decides about the engine
         self.reported_load = load.tokens_in_flight
         self.accepting = load.accepting
-        for handle, (sent_at, _) in list(self._pending.items()):
-            if sent_at < asked_at:
+        for handle, (_, started_at) in list(self._pending.items()):
+            if started_at is not None and started_at < asked_at:
                 del self._pending[handle]
         self.metrics.engine_load.labels(self.key).set(load.tokens_in_flight)
 
@@ -253,6 +263,9 @@ class EngineClient:
                 result = self.index.apply_batch(
                     self.key, batch.sequence_number, batch.snapshot,
                     batch.block_hashes_stored, batch.block_hashes_removed)
+                if batch.snapshot:
+                    log.info("engine %s: KV snapshot of %d cached block(s) at sequence %d",
+                             self.key, len(batch.block_hashes_stored), batch.sequence_number)
                 if result is not ApplyResult.APPLIED:
                     log.info("engine %s: KV events %s at sequence %d; re-snapshotting",
                              self.key, result.value, batch.sequence_number)

@@ -75,6 +75,14 @@ def start_engine(model_dir, *extra: str, **kw) -> ServerProc:
     return start_server(args, "nanoserve engine ready", **kw)
 
 
+def start_router(engine_targets: list[str], *extra: str, **kw) -> ServerProc:
+    """`nanoserve router` over `engine_targets` on a free port; returns once it listens
+    (its engines may not be routable yet: they join as their health checks pass)."""
+    args = ["router", *(a for t in engine_targets for a in ("--engine", t)), "--port", "0",
+            *extra]
+    return start_server(args, "router listening on", **kw)
+
+
 NODE_DIR = ROOT / "clients" / "node"
 
 

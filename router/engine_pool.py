@@ -72,7 +72,11 @@ class EngineClient:
         self.index = index
         self.metrics = metrics
         self._clock = clock
-        self.channel = grpc.aio.insecure_channel(address)
+        # gRPC backs reconnects off up to 120 s, so an engine restarted on its address
+        # after a long outage would wait that long to rejoin; cap it near the health loop.
+        backoff_ms = max(1000, int(config.health_interval * 1000))
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_reconnect_backoff_ms", backoff_ms)])
         self.generation = nanoserve_pb2_grpc.GenerationStub(self.channel)
         self.engine = nanoserve_pb2_grpc.EngineStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

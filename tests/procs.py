@@ -108,3 +108,15 @@ def run_node_client_test(target: str, spec: dict, expected, tmp_path: Path) -> s
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "# fail 0" in proc.stdout
     return proc.stdout
+
+
+def wait_blocks_free(client, timeout: float = 10):
+    """Poll an engine's GetLoad until no request runs or waits and no KV block is held
+    (cancellations reach the core asynchronously); returns the last Load seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = client.load()
+        if (load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0) \
+                or time.monotonic() > deadline:
+            return load
+        time.sleep(0.05)

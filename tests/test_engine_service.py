@@ -18,7 +18,7 @@ from engine_service import LLM, SamplingParams
 from engine_service.block_hash import hash_prompt_blocks
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
-from tests.procs import run_node_client_test, start_engine
+from tests.procs import run_node_client_test, start_engine, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,16 +45,6 @@ def offline(tiny_model_dir):
 def prompts(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(300) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def wait_blocks_free(client: Client, timeout: float = 10) -> pb.Load:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = client.load()
-        if (load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0) \
-                or time.monotonic() > deadline:
-            return load
-        time.sleep(0.05)
 
 
 def test_health_serving_and_model_info(engine, client):

@@ -19,7 +19,7 @@ from engine_service.block_manager import BlockManager
 from engine_service.scheduler import ScheduledSeq, Scheduler
 from engine_service.sequence import Sequence
 from engine_service.tp_worker import StepEncoder, decode_step, finish_step
-from tests.procs import start_engine
+from tests.procs import start_engine, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 12
@@ -326,16 +326,6 @@ def test_a_failed_step_stops_the_engine_and_its_ranks(tiny_model_dir, monkeypatc
 def prompts_for(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(300) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-
-
-def wait_blocks_free(client: Client, timeout: float = 10):
-    deadline = time.monotonic() + timeout
-    while True:
-        load = client.load()
-        if (load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0) \
-                or time.monotonic() > deadline:
-            return load
-        time.sleep(0.05)
 
 
 def start_tp_engine(model_dir):

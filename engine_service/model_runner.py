@@ -11,9 +11,10 @@ import torch
 from engine_service.config import EngineConfig
 from engine_service.scheduler import ScheduledSeq
 from engine_service.tp_worker import agree_on_num_kv_blocks, start_tensor_parallel
-from models.attention_metadata import AttentionMetadata
+from models.attention_metadata import make_attention_metadata
 from models.backends import get_attention_backend
 from models.config import Qwen3Config
+from models.host_copy import to_device
 from models.layers.sampler import Sampler, SamplingTensors
 from models.loader import init_dummy_weights, load_weights
 from models.qwen3 import Qwen3ForCausalLM
@@ -116,13 +117,17 @@ class ModelRunner:
     # ---------------------------------------------------------------- KV cache
 
     @property
-    def kv_bytes_per_block(self) -> int:
-        c = self.model_config
-        from models.parallel import get_tp_size
+    def kv_block_shape(self) -> tuple[int, int, int]:
+        """(block_size, this rank's KV heads, head_dim), from the attention layers, which
+        know how the KV heads were split (or replicated) across tensor-parallel ranks."""
+        attn = self.model.attention_layers()[0]
+        return self.block_size, attn.num_kv_heads, attn.head_dim
 
-        kv_heads = max(1, c.num_key_value_heads // get_tp_size())
+    @property
+    def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * kv_heads * c.head_dim * elem
+        block_size, kv_heads, head_dim = self.kv_block_shape
+        return 2 * self.model_config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -151,7 +156,10 @@ class ModelRunner:
             lens.append(num_tokens % seq_len)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        meta = self._no_cache_metadata(lens)
+        # No cache exists yet: the no-cache attention path reads neither slots nor tables.
+        meta = make_attention_metadata(
+            lens, lens, [[0] * -(-n // self.block_size) for n in lens], self.block_size,
+            self.device)
         hidden = self.model(input_ids, positions, meta)
         self.model.compute_logits(hidden[-self.config.max_num_seqs:])
         torch.cuda.synchronize(self.device)
@@ -163,27 +171,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return max(0, int(budget))
 
-    def _no_cache_metadata(self, lens: list[int]) -> AttentionMetadata:
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.full((cu[-1],), -1, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((len(lens), 1), dtype=torch.int32, device=dev),
-            max_query_len=max(lens), max_seq_len=max(lens),
-            seq_lens_cpu=lens, cu_seqlens_q_cpu=cu, decode_only=False)
-
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        c = self.model_config
-        from models.parallel import get_tp_size
-
-        kv_heads = max(1, c.num_key_value_heads // get_tp_size())
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, kv_heads,
-                            c.head_dim, dtype=self.dtype, device=self.device)
+        cache = torch.zeros(self.model_config.num_hidden_layers, 2, num_blocks,
+                            *self.kv_block_shape, dtype=self.dtype, device=self.device)
         for layer, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache = cache[layer]
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
@@ -193,11 +184,10 @@ class ModelRunner:
     # ---------------------------------------------------------------- batch building
 
     def prepare_inputs(self, batch: list[ScheduledSeq]):
-        """Flatten a mixed batch (decode rows, prefills, prefix-cached prefills, chunks)."""
+        """Flatten a mixed batch (decode rows, prefills, prefix-cached prefills, chunks):
+        (input_ids [T], positions [T], attention metadata, logits_indices [num_rows])."""
         input_ids: list[int] = []
         positions: list[int] = []
-        cu_seqlens_q = [0]
-        seq_lens: list[int] = []
         logits_indices: list[int] = []
         for item in batch:
             seq = item.seq
@@ -205,40 +195,15 @@ class ModelRunner:
             end = start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_new_tokens)
-            seq_lens.append(end)
             if item.sample:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-        max_blocks = max(len(item.seq.block_table) for item in batch)
-        block_tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
-                        for item in batch]
-        decode_only = all(item.num_new_tokens == 1 for item in batch)
+                logits_indices.append(len(input_ids) - 1)
+        meta = make_attention_metadata(
+            [item.num_new_tokens for item in batch],
+            [item.seq.num_computed_tokens + item.num_new_tokens for item in batch],
+            [item.seq.block_table for item in batch], self.block_size, self.device)
         dev = self.device
-
-        def to_dev(values, dtype):
-            return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(
-                dev, non_blocking=True)
-
-        positions_t = to_dev(positions, torch.long)  # [num_tokens]
-        cu_seqlens_q_t = to_dev(cu_seqlens_q, torch.int32)  # [num_seqs + 1]
-        block_tables_t = to_dev(block_tables, torch.int32)  # [num_seqs, max_blocks]
-        # slot = block_tables[row, pos // block_size] * block_size + pos % block_size, on
-        # the device: no per-token Python loop over long prompts.
-        rows = torch.repeat_interleave(
-            torch.arange(len(batch), device=dev), cu_seqlens_q_t.diff(),
-            output_size=len(input_ids))  # [num_tokens]
-        bs = self.block_size
-        slot_mapping = block_tables_t[rows, positions_t // bs].long() * bs + positions_t % bs
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            cu_seqlens_q=cu_seqlens_q_t,
-            seq_lens=to_dev(seq_lens, torch.int32),
-            block_tables=block_tables_t,
-            max_query_len=max(item.num_new_tokens for item in batch),
-            max_seq_len=max(seq_lens),
-            seq_lens_cpu=seq_lens, cu_seqlens_q_cpu=cu_seqlens_q, decode_only=decode_only)
-        return (to_dev(input_ids, torch.long), positions_t, meta,
-                to_dev(logits_indices, torch.long))
+        return (to_device(input_ids, torch.long, dev), to_device(positions, torch.long, dev),
+                meta, to_device(logits_indices, torch.long, dev))
 
     def prepare_sampling(self, rows: list[ScheduledSeq], eos_token_ids: list[int]
                          ) -> SamplingTensors:

@@ -9,9 +9,12 @@ prefill chunks (q_len < seq_len), all mixed in one batch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+
+from models.host_copy import to_device
 
 
 @dataclass
@@ -64,28 +67,36 @@ def make_attention_metadata(
     device: torch.device | str = "cpu",
     pad_block_id: int = 0,
 ) -> AttentionMetadata:
-    """Build metadata from host lists (tests, CPU runs): every query token is stored at
-    its position's slot, block_tables rows are padded with `pad_block_id`."""
+    """The one builder of attention metadata (model runner, profiling pass, tests): host
+    lists in, device tensors out. Every query token is stored at its position's slot,
+    computed on the device so long prompts cost no per-token Python; block_tables rows
+    are padded with `pad_block_id`."""
     if not len(query_lens) == len(seq_lens) == len(block_tables):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per row")
-    slots: list[int] = []
-    cu = [0]
     for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
         if not 1 <= q_len <= s_len:
             raise ValueError(f"need 1 <= query_len <= seq_len, got {q_len} and {s_len}")
         if len(table) * block_size < s_len:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
-        for pos in range(s_len - q_len, s_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        cu.append(cu[-1] + q_len)
+    cu = list(itertools.accumulate(query_lens, initial=0))
     width = max((len(t) for t in block_tables), default=0)
     padded = [t + [pad_block_id] * (width - len(t)) for t in block_tables]
+    cu_t = to_device(cu, torch.int32, device)  # [B + 1]
+    seq_lens_t = to_device(seq_lens, torch.int32, device)  # [B]
+    tables_t = to_device(padded, torch.int32, device).view(len(block_tables), width)
+    q_lens_t = cu_t.diff()  # [B]
+    num_tokens = cu[-1]
+    rows = torch.repeat_interleave(torch.arange(len(query_lens), device=cu_t.device), q_lens_t,
+                                   output_size=num_tokens)  # [T]
+    # query i of row b sits at position seq_lens[b] - q_len_b + i
+    index_in_row = torch.arange(num_tokens, device=cu_t.device) - cu_t[rows]  # [T]
+    positions = (seq_lens_t - q_lens_t)[rows] + index_in_row  # [T]
+    slots = tables_t[rows, positions // block_size].long() * block_size + positions % block_size
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(
-            len(block_tables), width),
+        slot_mapping=slots,
+        cu_seqlens_q=cu_t,
+        seq_lens=seq_lens_t,
+        block_tables=tables_t,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         seq_lens_cpu=list(seq_lens),

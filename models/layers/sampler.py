@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.host_copy import to_device
+
 # Temperatures below this are treated as greedy: dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
 # Slack on the top-p boundary: a token whose preceding mass reaches top_p within float32
@@ -81,13 +83,6 @@ def _field(p: object, name: str) -> object:
     if isinstance(p, Mapping):
         return p.get(name, _DEFAULTS[name])
     return getattr(p, name)
-
-
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _coords(token_lists: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -178,8 +173,8 @@ class SamplingTensors:
         any_penalty = any(r != 1.0 or p != 0.0 or f != 0.0
                           for r, p, f in zip(reps, pres, freqs, strict=True))
 
-        floats = _to_device([temps, top_ps, min_ps, reps, pres, freqs], torch.float32, device)
-        ints = _to_device([top_ks, list(seeds), list(steps)], torch.int64, device)
+        floats = to_device([temps, top_ps, min_ps, reps, pres, freqs], torch.float32, device)
+        ints = to_device([top_ks, list(seeds), list(steps)], torch.int64, device)
 
         prompt_mask = output_counts = None
         if any_penalty:
@@ -189,7 +184,7 @@ class SamplingTensors:
                 raise ValueError(f"need prompt and output token ids for each of {b} rows")
             p_rows, p_cols = _coords(prompt_token_ids)
             o_rows, o_cols = _coords(output_token_ids)
-            coords = _to_device([p_rows + o_rows, p_cols + o_cols], torch.int64, device)
+            coords = to_device([p_rows + o_rows, p_cols + o_cols], torch.int64, device)
             n_prompt = len(p_rows)
             prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
             prompt_mask[coords[0, :n_prompt], coords[1, :n_prompt]] = True
@@ -200,7 +195,7 @@ class SamplingTensors:
 
         suppress_ids = None
         if suppress:
-            suppress_ids = _to_device([list(pair) for pair in suppress], torch.int64, device)
+            suppress_ids = to_device([list(pair) for pair in suppress], torch.int64, device)
 
         return cls(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],

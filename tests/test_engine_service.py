@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import signal
 import threading
 import time
@@ -18,6 +17,7 @@ from engine_service import LLM, SamplingParams
 from engine_service.block_hash import hash_prompt_blocks
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
+from tests.helpers import random_prompts
 from tests.procs import run_node_client_test, start_engine, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,11 +42,6 @@ def offline(tiny_model_dir):
                kv_block_size=4, max_model_len=512)
 
 
-def prompts(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 def test_health_serving_and_model_info(engine, client):
     assert client.health() == "SERVING"
     info = client.model_info()
@@ -55,7 +50,7 @@ def test_health_serving_and_model_info(engine, client):
 
 
 def test_stream_equals_offline_and_generate_equals_stream(client, offline):
-    ps = prompts(6, seed=1)
+    ps = random_prompts(6, seed=1)
     expected = offline.generate(ps, SamplingParams(temperature=0, max_tokens=10,
                                                    ignore_eos=True), use_tqdm=False)
     for p, exp in zip(ps, expected, strict=True):
@@ -70,7 +65,7 @@ def test_stream_equals_offline_and_generate_equals_stream(client, offline):
 
 
 def test_64_concurrent_streams(client, offline):
-    ps = prompts(64, seed=2)
+    ps = random_prompts(64, seed=2)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = [o.token_ids for o in offline.generate(ps, sp, use_tqdm=False)]
 
@@ -164,7 +159,7 @@ def test_kv_events_snapshot_plus_deltas_match_cached_blocks(engine, client):
 
     t = threading.Thread(target=consume, daemon=True)
     t.start()
-    ps = prompts(5, seed=9, lo=20, hi=40)
+    ps = random_prompts(5, seed=9, lo=20, hi=40)
     outs = [client.generate(p, temperature=0, max_tokens=6, ignore_eos=True) for p in ps]
     time.sleep(0.5)
     expected = set()
@@ -179,7 +174,7 @@ def test_kv_events_snapshot_plus_deltas_match_cached_blocks(engine, client):
     fresh = next(iter(stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest())))
     assert fresh.snapshot and set(fresh.block_hashes_stored) == current
     # Resuming from a sequence number replays exactly the later batches.
-    client.generate(prompts(1, seed=10, lo=30, hi=30)[0], temperature=0, max_tokens=4)
+    client.generate(random_prompts(1, seed=10, lo=30, hi=30)[0], temperature=0, max_tokens=4)
     resumed = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(
         after_sequence_number=snapshot_seq))
     first = next(iter(resumed))

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from engine_service import LLM, SamplingParams
+from tests.helpers import greedy as ignore_eos_greedy
+from tests.helpers import hf_greedy, random_prompts, shared_prefix_prompts, spy_preemptions
 
 MAX_TOKENS = 12
 
 
 def make_prompts(n: int, vocab: int, seed: int, min_len: int = 1, max_len: int = 70):
-    rng = random.Random(seed)
-    lens = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(n - 2)]
-    return [[rng.randrange(vocab) for _ in range(k)] for k in lens]
-
-
-def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
-    out = out[0, len(prompt):].tolist()
-    assert len(out) == max_tokens, "transformers stopped early: eos was not turned off"
-    return out
+    return random_prompts(n, vocab, seed, min_len, max_len)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +37,7 @@ def reference(hf_model, vocab):
 
 
 def greedy(n: int = MAX_TOKENS, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+    return ignore_eos_greedy(n, **kw)
 
 
 def make_llm(model_dir, **kw) -> LLM:
@@ -76,10 +63,7 @@ def test_greedy_matches_transformers(tiny_model_dir, reference, vocab, block_siz
 
 
 def test_prefix_cache_hits_give_identical_output(tiny_model_dir, reference, vocab):
-    rng = random.Random(1)
-    shared = [rng.randrange(vocab) for _ in range(40)]
-    prompts = [shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
-               for _ in range(8)]
+    prompts = shared_prefix_prompts(seed=1, n=8, vocab=vocab)
     llm = make_llm(tiny_model_dir, kv_block_size=4, num_kv_blocks=512)
     first = check_against_hf(llm, prompts, reference)
     second = check_against_hf(llm, prompts, reference)
@@ -91,15 +75,7 @@ def test_preemption_under_tiny_kv_budget(tiny_model_dir, reference, vocab):
     prompts = make_prompts(8, vocab, seed=7, min_len=20, max_len=40)
     # 24 blocks of 4 tokens: two sequences of ~52 tokens do not fit together.
     llm = make_llm(tiny_model_dir, kv_block_size=4, num_kv_blocks=24, max_model_len=96)
-    preempted = []
-    original = llm.engine.scheduler.schedule
-
-    def spy():
-        out = original()
-        preempted.extend(s.seq_id for s in out.preempted)
-        return out
-
-    llm.engine.scheduler.schedule = spy
+    preempted = spy_preemptions(llm)
     check_against_hf(llm, prompts, reference)
     assert preempted, "the KV budget was meant to force preemption"
 
@@ -111,20 +87,29 @@ def test_chunked_prefill(tiny_model_dir, reference, vocab):
     check_against_hf(llm, prompts, reference)
 
 
-def test_eos_stops_like_transformers(tiny_model_dir, hf_model, vocab):
-    llm = make_llm(tiny_model_dir)
-    eos = llm.engine.eos_token_ids
+def test_eos_stops_like_transformers(tiny_model_dir, hf_model, vocab, tmp_path):
+    """A random model rarely picks its real eos, so make a token it does pick the eos:
+    the same weights with eos_token_id set to the 4th greedy token of the first prompt."""
+    import json
+    import shutil
+
     prompts = make_prompts(8, vocab, seed=11)
+    eos = hf_greedy(hf_model, prompts[0], MAX_TOKENS)[3]
+    model_dir = tmp_path / "eos-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((model_dir / name).read_text())
+        cfg["eos_token_id"] = eos
+        (model_dir / name).write_text(json.dumps(cfg))
+    llm = make_llm(model_dir)
+    assert llm.engine.eos_token_ids == [eos]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
-        ids = torch.tensor([prompt])
-        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=0)
-        ref = ref[0, len(prompt):].tolist()
-        if ref and ref[-1] in eos:
-            assert out.finish_reason == "stop"
-        assert out.token_ids == ref[:len(out.token_ids)] and len(out.token_ids) == len(ref)
+        ref = hf_greedy(hf_model, prompt, MAX_TOKENS, eos_token_id=eos)
+        assert out.token_ids == ref
+        assert out.finish_reason == ("stop" if ref[-1] == eos else "length")
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) <= 4
 
 
 def test_seeded_sampling_reproducible_and_top_k1_is_greedy(tiny_model_dir, vocab):

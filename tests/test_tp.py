@@ -19,6 +19,8 @@ from engine_service.block_manager import BlockManager
 from engine_service.scheduler import ScheduledSeq, Scheduler
 from engine_service.sequence import Sequence
 from engine_service.tp_worker import StepEncoder, decode_step, finish_step
+from tests.helpers import greedy as ignore_eos_greedy
+from tests.helpers import random_prompts, shared_prefix_prompts, spy_preemptions
 from tests.procs import start_engine, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -205,7 +207,7 @@ def test_decode_message_is_small_and_independent_of_context_length(make_config):
 
 
 def greedy(n: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return ignore_eos_greedy(n)
 
 
 def make_llm(model_dir, **kw) -> LLM:
@@ -222,16 +224,7 @@ def generate_tp1_then_tp2(model_dir, prompt_sets, spy_preemption: bool = False, 
     tp1 = make_llm(model_dir, **kw)
     ref = [tp1.generate(ps, greedy(), use_tqdm=False) for ps in prompt_sets]
     tp2 = make_llm(model_dir, tensor_parallel_size=2, **kw)
-    preempted: list[str] = []
-    if spy_preemption:
-        original = tp2.engine.scheduler.schedule
-
-        def spy():
-            out = original()
-            preempted.extend(s.seq_id for s in out.preempted)
-            return out
-
-        tp2.engine.scheduler.schedule = spy
+    preempted = spy_preemptions(tp2) if spy_preemption else []
     try:
         assert tp2.engine.model_runner.model.attention_layers()[0].num_kv_heads == 1
         got = [tp2.generate(ps, greedy(), use_tqdm=False) for ps in prompt_sets]
@@ -242,11 +235,8 @@ def generate_tp1_then_tp2(model_dir, prompt_sets, spy_preemption: bool = False, 
 
 @pytest.mark.slow
 def test_tp2_greedy_equals_tp1_with_prefix_hits_and_chunks(tiny_model_dir):
-    rng = random.Random(1)
-    shared = [rng.randrange(500) for _ in range(40)]
-    prompts = [shared + [rng.randrange(500) for _ in range(rng.randint(1, 20))]
-               for _ in range(4)]
-    prompts += [[rng.randrange(500) for _ in range(n)] for n in (1, 7, 33, 70)]
+    prompts = shared_prefix_prompts(seed=1) + [
+        random_prompts(1, 500, seed=n, lo=n, hi=n)[0] for n in (1, 7, 33, 70)]
     # A budget of 32 tokens chunks the long prompts and mixes chunks with decode rows.
     ref, got, _ = generate_tp1_then_tp2(tiny_model_dir, [prompts, prompts],
                                         max_num_batched_tokens=32)
@@ -323,11 +313,6 @@ def test_a_failed_step_stops_the_engine_and_its_ranks(tiny_model_dir, monkeypatc
 # ---------------------------------------------------------------- engine service at TP=2
 
 
-def prompts_for(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-
-
 def start_tp_engine(model_dir):
     return start_engine(model_dir, "--tensor-parallel-size", "2", "--kv-block-size", "4",
                         "--max-model-len", "512")
@@ -335,7 +320,7 @@ def start_tp_engine(model_dir):
 
 @pytest.mark.slow
 def test_service_tp2_concurrent_streams_and_clean_stop(tiny_model_dir):
-    ps = prompts_for(16, seed=2)
+    ps = random_prompts(16, seed=2)
     offline = make_llm(tiny_model_dir, num_kv_blocks=512, max_model_len=512)
     expected = [o.token_ids for o in offline.generate(ps, greedy(8), use_tqdm=False)]
     engine = start_tp_engine(tiny_model_dir)

@@ -5,7 +5,6 @@ transformers on the same random weights."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -13,44 +12,31 @@ import torch
 from engine_service import LLM, SamplingParams
 from engine_service.scheduler import ScheduledSeq
 from engine_service.sequence import Sequence
+from tests.helpers import hf_greedy, random_prompts
 
 MAX_TOKENS = 16
 
 
 def _prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 90) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def hf_cpu(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return random_prompts(n, vocab, seed, lo, hi)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_float32_greedy_matches_transformers(tiny_model_dir, hf_cpu, block_size, enforce_eager):
+def test_float32_greedy_matches_transformers(tiny_model_dir, hf_model, block_size, enforce_eager):
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_block_size=block_size,
               num_kv_blocks=4096 // block_size + 64, max_model_len=512,
               attention_backend="triton", enforce_eager=enforce_eager)
     prompts = _prompts(12, vocab, seed=block_size)
-    # second pass hits the prefix cache
-    for _ in range(2):
+    # the second pass hits the prefix cache wherever a prompt has a full block
+    for second in (False, True):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                     ignore_eos=True), use_tqdm=False)
         for p, o in zip(prompts, outs, strict=True):
-            with torch.no_grad():
-                assert o.token_ids == _hf_greedy(hf_cpu, p, MAX_TOKENS)
+            assert o.token_ids == hf_greedy(hf_model, p, MAX_TOKENS)
+            if second and len(p) > block_size:
+                assert o.num_cached_tokens >= block_size
 
 
 def test_cuda_graphs_equal_eager(tiny_model_dir):

@@ -77,7 +77,10 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self.idle.set()
         # KV events: a mirror of the engine's cached hashes plus recent batches for resume.
         self.cached_hashes: set[int] = set()
-        self.kv_seq = 0
+        # Numbers start from this process's start time (µs, exact in JSON doubles too), so
+        # a subscriber resuming from a number of an earlier process of this engine is
+        # below our history and gets a fresh snapshot rather than our unrelated events.
+        self.kv_seq = time.time_ns() // 1000
         self.kv_history: collections.deque[pb.KvEventBatch] = collections.deque(
             maxlen=KV_EVENT_HISTORY)
         self.kv_subscribers: set[asyncio.Queue] = set()

@@ -185,9 +185,6 @@ class EngineClient:
             serving = await self._read_model_info(timeout)
             if serving:
                 log.info("engine %s (%s) is serving", self.key, self.engine_id)
-                # It may be a restarted process whose event numbers started over: what we
-                # held is stale, and resuming by number could skip its events. Re-snapshot.
-                self.index.reset(self.key)
         elif self.serving and not serving:
             log.warning("engine %s stopped serving", self.key)
         self.serving = serving

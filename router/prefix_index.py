@@ -6,12 +6,11 @@ when it sends a prompt to the engine. An optimistic entry stands in until the en
 own `stored` event confirms it, or expires after `optimistic_ttl_s` (the request may have
 failed or the blocks may have been evicted before the router heard of them).
 
-Sequence numbers: a delta batch's `sequence_number` is that of its last event and every
-block hash in it (stored or removed) is one event, so a batch of n hashes that continues
-the stream has `sequence_number == last + n`. A delta that starts after `last + 1` means
-events were lost (a gap): the caller must re-subscribe from 0 for a fresh snapshot. A
-batch is applied removed-first, then stored, which is the order a block manager produces
-within one step (evict on allocation, store after the step).
+Sequence numbers: engines number batches, one more than the previous batch, so a delta
+that continues the stream has `sequence_number == last + 1`. Any other number means
+events were lost (a gap) or the stream went backwards: the caller must re-subscribe from 0
+for a fresh snapshot. A batch is applied removed-first, then stored, which is the order a
+block manager produces within one step (evict on allocation, store after the step).
 """
 
 from __future__ import annotations
@@ -73,9 +72,7 @@ class PrefixIndex:
         entry = self._entry(engine)
         if not entry.has_snapshot:
             return ApplyResult.NO_SNAPSHOT
-        # An empty batch still carries one sequence number.
-        first = sequence_number - max(len(stored) + len(removed), 1) + 1
-        if first > entry.last_sequence + 1 or sequence_number <= entry.last_sequence:
+        if sequence_number != entry.last_sequence + 1:
             # Lost events, or a stream that went backwards (the engine restarted): either
             # way what we hold can no longer be trusted.
             self.reset(engine)

@@ -234,7 +234,7 @@ class FakeEngine(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     def _publish_locked(self, stored: list[int], removed: list[int]) -> None:
         if not stored and not removed:
             return
-        self._seq += len(stored) + len(removed)
+        self._seq += 1  # one number per batch, as engines number them
         self._events.append(pb.KvEventBatch(
             sequence_number=self._seq, block_hashes_stored=stored,
             block_hashes_removed=removed, kv_block_size=self.behavior.kv_block_size))

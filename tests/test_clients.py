@@ -391,19 +391,19 @@ def test_fake_kv_events_snapshot_then_events_and_resume(client: Client, fake: Fa
     call = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(), timeout=30)
     snapshot = next(call)
     assert snapshot.snapshot and list(snapshot.block_hashes_stored) == hashes_a
-    assert snapshot.sequence_number == 2 and snapshot.kv_block_size == 4
+    assert snapshot.sequence_number == 1 and snapshot.kv_block_size == 4
     client.generate(prompt_b, max_tokens=1)
     batch = next(call)
     assert not batch.snapshot and list(batch.block_hashes_stored) == hashes_b[:1]
-    assert batch.sequence_number == 3
+    assert batch.sequence_number == 2
     fake.remove_blocks([hashes_a[0]])
     batch = next(call)
-    assert list(batch.block_hashes_removed) == [hashes_a[0]] and batch.sequence_number == 4
+    assert list(batch.block_hashes_removed) == [hashes_a[0]] and batch.sequence_number == 3
     call.cancel()
 
-    resumed = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(after_sequence_number=2),
+    resumed = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(after_sequence_number=1),
                                      timeout=30)
-    assert [next(resumed).sequence_number, next(resumed).sequence_number] == [3, 4]
+    assert [next(resumed).sequence_number, next(resumed).sequence_number] == [2, 3]
     fake.break_kv_streams()
     with pytest.raises(grpc.RpcError) as info:
         next(resumed)
@@ -424,7 +424,7 @@ def test_fake_evicts_least_recently_used_blocks() -> None:
         fake.store_blocks([3])
         assert fake.cached_hashes() == [1, 3]
         stub = pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        call = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(after_sequence_number=2),
+        call = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(after_sequence_number=1),
                                       timeout=30)
         batch = next(call)
         assert list(batch.block_hashes_stored) == [3] and list(batch.block_hashes_removed) == [2]

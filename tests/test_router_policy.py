@@ -172,25 +172,24 @@ def test_match_counts_leading_blocks_only():
 def test_deltas_store_and_remove():
     index = PrefixIndex()
     index.apply_snapshot("e", 0, [])
-    # one sequence number per hash: a batch of 2 stored ends at 2
-    assert index.apply_delta("e", 2, stored=[1, 2], removed=[]) is ApplyResult.APPLIED
+    # one sequence number per batch, whatever it holds
+    assert index.apply_delta("e", 1, stored=[1, 2], removed=[]) is ApplyResult.APPLIED
     assert index.match("e", [1, 2]) == 2
-    assert index.apply_delta("e", 3, stored=[], removed=[1]) is ApplyResult.APPLIED
+    assert index.apply_delta("e", 2, stored=[], removed=[1]) is ApplyResult.APPLIED
     assert index.match("e", [1, 2]) == 0
     assert index.match("e", [2]) == 1
-    assert index.resume_point("e") == 3
+    assert index.resume_point("e") == 2
     # removed is applied before stored (evict on allocation, then store after the step)
-    assert index.apply_delta("e", 5, stored=[7], removed=[7]) is ApplyResult.APPLIED
+    assert index.apply_delta("e", 3, stored=[7], removed=[7]) is ApplyResult.APPLIED
     assert index.match("e", [7]) == 1
 
 
-def test_one_sequence_number_per_batch_is_not_a_gap():
-    # An engine that numbers batches (not hashes) must not trip the gap check.
+def test_one_lost_batch_is_a_gap():
+    # A batch of several hashes still counts one: skipping a number means a lost batch.
     index = PrefixIndex()
     index.apply_snapshot("e", 4, [])
     assert index.apply_delta("e", 5, stored=[1, 2, 3], removed=[]) is ApplyResult.APPLIED
-    assert index.apply_delta("e", 6, stored=[], removed=[1]) is ApplyResult.APPLIED
-    assert index.resume_point("e") == 6
+    assert index.apply_delta("e", 7, stored=[4, 5], removed=[]) is ApplyResult.GAP
 
 
 def test_gap_resets_and_asks_for_a_snapshot():
@@ -221,7 +220,7 @@ def test_optimistic_entries_expire_unless_confirmed():
     index.insert_optimistic("e", [1, 2, 3])
     assert index.match("e", [1, 2, 3]) == 3
     assert index.num_blocks("e") == (0, 3)
-    index.apply_delta("e", 2, stored=[1, 2], removed=[])  # the engine confirms two
+    index.apply_delta("e", 1, stored=[1, 2], removed=[])  # the engine confirms two
     assert index.num_blocks("e") == (2, 1)
     clock.now += 5.0
     assert index.match("e", [1, 2, 3]) == 2  # the unconfirmed third expired

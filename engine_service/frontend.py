@@ -26,7 +26,9 @@ from engine_service.engine import RequestOutput, validate_prompt
 from engine_service.metrics import EngineMetrics
 from engine_service.proto_convert import (
     FINISH_REASONS,
+    add_chunk,
     logprob_to_proto,
+    prompt_ids_from_proto,
     sampling_params_from_proto,
     stop_reason_to_str,
 )
@@ -170,22 +172,6 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self.metrics.requests.labels(outcome=code.name.lower()).inc()
         await context.abort(code, message)
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
-        if kind in ("text", "messages") and self.tokenizer is None:
-            raise ValueError(f"prompt must be token_ids: this engine has no tokenizer, got "
-                             f"{kind}")
-        if kind == "text":
-            return self.tokenizer.encode(request.text)
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
-        if kind == "messages":
-            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            if not msgs:
-                raise ValueError("messages must hold at least one message, got none")
-            return self.tokenizer.encode_chat(msgs)
-        raise ValueError("prompt must be one of text, token_ids or messages, got none")
-
     async def _submit(self, request: pb.GenerateRequest, context) -> RequestState:
         if self.core_error is not None:
             await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
@@ -202,7 +188,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                 raise ValueError(f"request_id must be unique among requests in flight, "
                                  f"got duplicate {rid!r}")
             params = sampling_params_from_proto(request.sampling)
-            ids = self._prompt_ids(request)
+            ids = prompt_ids_from_proto(request, self.tokenizer)
             validate_prompt(ids, self.model_info["max_model_len"], self.model_info["vocab_size"])
             if params.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, which this engine lacks; "
@@ -307,13 +293,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         resp = pb.GenerateResponse(request_id=state.request_id, engine_id=self.engine_id)
         try:
             async for chunk in self._chunks(state, context):
-                resp.token_ids.extend(chunk.token_ids)
-                resp.text += chunk.text
-                resp.logprobs.extend(chunk.logprobs)
-                if chunk.finish_reason:
-                    resp.finish_reason = chunk.finish_reason
-                    resp.stop_reason = chunk.stop_reason
-                    resp.usage.CopyFrom(chunk.usage)
+                add_chunk(resp, chunk)
         except asyncio.CancelledError:
             self.metrics.requests.labels(outcome="cancelled").inc()
             raise

@@ -40,6 +40,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.block_hash import hash_prompt_blocks
+from engine_service.proto_convert import (
+    add_chunk,
+    prompt_ids_from_proto,
+    sampling_params_from_proto,
+)
 from engine_service.sampling_params import SamplingParams
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
@@ -59,7 +64,6 @@ RETRYABLE = frozenset({Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN, Code.DATA_
                        Code.RESOURCE_EXHAUSTED})
 # Counted against the engine's health (a full queue is not a fault).
 ENGINE_FAULTS = RETRYABLE - {Code.RESOURCE_EXHAUSTED, Code.ABORTED}
-DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -134,33 +138,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
-        texts: list[str] = []
         try:
             async for chunk in self._run(request, context):
-                response.request_id = chunk.request_id
-                response.token_ids.extend(chunk.token_ids)
-                texts.append(chunk.text)
-                response.logprobs.extend(chunk.logprobs)
-                if chunk.finish_reason:
-                    response.finish_reason = chunk.finish_reason
-                    response.stop_reason = chunk.stop_reason
-                if chunk.HasField("usage"):
-                    response.usage.CopyFrom(chunk.usage)
-                response.engine_id = chunk.engine_id
+                add_chunk(response, chunk)
         except _Abort as e:
             self.metrics.errors.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
-        response.text = "".join(texts)
         return response
 
     # ---- one request ------------------------------------------------------------------
 
     async def _run(self, request: pb.GenerateRequest,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        try:  # the engines check again; checking here keeps a bad request off the index
+            params = sampling_params_from_proto(request.sampling)
+        except ValueError as e:
+            raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
         prompt_ids = await self._prompt_ids(request)
         request_id = request.request_id or uuid.uuid4().hex
-        sampling = request.sampling
-        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        max_tokens = params.max_tokens
         progress = _Progress()
         tried: set[str] = set()
         errors: list[tuple[str, grpc.StatusCode, str]] = []
@@ -184,7 +180,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 engine.record_success()
                 return
             except grpc.aio.AioRpcError as e:
-                errors.append(self._engine_failed(engine, e, request, request_id, progress,
+                errors.append(self._engine_failed(engine, e, params, request_id, progress,
                                                   attempt))
             finally:
                 engine.end_request(handle)
@@ -215,7 +211,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             call.cancel()  # no-op when done; propagates client cancellation otherwise
 
     def _engine_failed(self, engine: EngineClient, error: grpc.aio.AioRpcError,
-                       request: pb.GenerateRequest, request_id: str, progress: _Progress,
+                       params: SamplingParams, request_id: str, progress: _Progress,
                        attempt: int) -> tuple[str, grpc.StatusCode, str]:
         """Classify an engine's error: pass it to the client (raises _Abort) or note it and
         let the caller try another engine."""
@@ -227,7 +223,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if progress.sent_ids:
             self.metrics.failovers.labels(engine.key).inc()
             if not progress.owed_text:
-                progress.owed_text = self._held_back(request, progress)
+                progress.owed_text = self._held_back(params, progress)
         else:
             self.metrics.retries.labels(engine.key).inc()
         log.info("request %s: engine %s failed with %s after %d token(s) (attempt %d of %d): %s",
@@ -236,25 +232,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return engine.key, code, details
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        tokenizer = None
         kind = request.WhichOneof("prompt")
-        if kind is None:
-            raise _Abort(Code.INVALID_ARGUMENT,
-                         "prompt is missing: set exactly one of text, token_ids or messages")
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
-        if kind == "messages" and not request.messages.messages:
-            raise _Abort(Code.INVALID_ARGUMENT, "messages: at least one message is required")
-        try:
-            tokenizer = await self.tokenizers.get(self.pool)
-        except TokenizerUnavailable as e:
-            raise _Abort(Code.UNAVAILABLE, str(e)) from None
-        if kind == "text":
-            return list(await asyncio.to_thread(tokenizer.encode, request.text))
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-        try:
-            return list(await asyncio.to_thread(tokenizer.encode_chat, messages))
-        except Exception as e:  # the chat template rejected the messages
-            raise _Abort(Code.INVALID_ARGUMENT, f"messages: {e}") from None
+        if kind == "text" or (kind == "messages" and request.messages.messages):
+            try:
+                tokenizer = await self.tokenizers.get(self.pool)
+            except TokenizerUnavailable as e:
+                raise _Abort(Code.UNAVAILABLE, str(e)) from None
+        try:  # tokenizing off the event loop: other streams keep flowing
+            return await asyncio.to_thread(prompt_ids_from_proto, request, tokenizer)
+        except ValueError as e:
+            raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
 
     def _route(self, request_id: str, token_ids: list[int], tried: set[str],
                max_tokens: int) -> tuple[EngineClient, int] | None:
@@ -286,13 +274,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                              for c in candidates))
         return engine, handle
 
-    def _held_back(self, request: pb.GenerateRequest, progress: _Progress) -> str:
+    def _held_back(self, params: SamplingParams, progress: _Progress) -> str:
         tokenizer = self.tokenizers.loaded
-        if tokenizer is None or request.sampling.stop:
+        if tokenizer is None or params.stop:
             return ""
-        sampling = request.sampling
-        skip_special = (sampling.skip_special_tokens
-                        if sampling.HasField("skip_special_tokens") else True)
+        skip_special = params.skip_special_tokens
         try:
             return held_back_text(tokenizer, progress.sent_ids, "".join(progress.sent_text),
                                   skip_special)

@@ -74,19 +74,19 @@ def stage_single(args) -> None:
 
 
 def stage_serve(args) -> None:
-    log = (OUT / "serve_engine.log").open("w")
-    engine = subprocess.Popen(nanoserve("engine", "--model", args.model_dir, "--port", "50051",
-                                        "--load-format", "dummy", *args.engine_args),
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    from benchmarks.procs import ServerProc
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    engine = ServerProc("engine", ["engine", "--model", args.model_dir, "--port", "0",
+                                   "--load-format", "dummy", *args.engine_args])
     try:
-        deadline = time.monotonic() + 240
-        while "ready" not in (OUT / "serve_engine.log").read_text():
-            if engine.poll() is not None or time.monotonic() > deadline:
-                ROWS.append(("serve", "engine did not start (serve_engine.log)", ""))
-                return
-            time.sleep(1)
-        text = sh("serve", nanoserve("bench", "serve", "--target", "127.0.0.1:50051"),
-                  timeout=420)
+        try:
+            engine.wait_for("nanoserve engine ready", timeout=240)
+        except RuntimeError as e:
+            ROWS.append(("serve", "engine did not start (serve_engine.log)", ""))
+            (OUT / "serve_engine.log").write_text(str(e))
+            return
+        text = sh("serve", nanoserve("bench", "serve", "--target", engine.target), timeout=420)
         m = re.search(r"Throughput: ([\d.]+) tok/s\s+TTFT p50/p99: ([\d./]+) ms\s+ITL p50/p99: "
                       r"([\d./]+) ms", text)
         if m:
@@ -96,8 +96,8 @@ def stage_serve(args) -> None:
         else:
             ROWS.append(("serve", "FAILED (serve.log)", ""))
     finally:
-        engine.terminate()
-        engine.wait(60)
+        engine.stop(timeout=60)
+        (OUT / "serve_engine.log").write_text(engine.output())
 
 
 def stage_hbm(args) -> None:

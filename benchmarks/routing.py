@@ -34,21 +34,16 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from benchmarks.results import record
-from benchmarks.serve import percentile
+from benchmarks.procs import ServerProc
+from benchmarks.results import percentile, record
+from router.policy import POLICIES
 
-ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ("prefix", "least-load", "round-robin")
-_LISTEN = re.compile(r"listening on (\S+):(\d+)")
 _ENGINE_SERVING = re.compile(r"engine (\S+) \(.*\) is serving")
 
 
@@ -221,58 +216,6 @@ async def run_policy(target: str, policy: str, workload: Workload,
 
 # ---- processes --------------------------------------------------------------------------
 
-class Proc:
-    """One `nanoserve` subprocess; its merged output is pumped into `lines`."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.args = args
-        self.lines: collections.deque[str] = collections.deque(maxlen=400)
-        self.port = 0
-        self._changed = threading.Condition()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line)
-                m = _LISTEN.search(line)
-                if m and not self.port:
-                    self.port = int(m.group(2))
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_until(self, ready, what: str, timeout: float) -> None:
-        """Block until ready(lines) holds; raise with the process's output otherwise."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not ready(list(self.lines)):
-                left = deadline - time.monotonic()
-                if self.proc.poll() is not None or left <= 0:
-                    tail = "".join(list(self.lines)[-60:])
-                    raise RuntimeError(f"{self.name} ({' '.join(self.args)}) never got {what}"
-                                       f" (exit code {self.proc.poll()}):\n{tail}")
-                self._changed.wait(min(left, 0.5))
-
-    def stop(self, timeout: float = 30) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 def engine_args(args: argparse.Namespace) -> list[str]:
     out = ["engine", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
            "--device", args.device]
@@ -284,7 +227,7 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     return out + list(args.engine_arg)
 
 
-def start_engines(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[Proc]:
+def start_engines(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[ServerProc]:
     """`--num-engines` engines, started together, each waited for."""
     # Engines share the host's cores; one torch thread pool each keeps them from fighting.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1)
@@ -295,7 +238,7 @@ def start_engines(args: argparse.Namespace, stack: contextlib.ExitStack) -> list
         if args.engine_devices:
             devices = args.engine_devices.split(",")
             env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
-        p = Proc(f"engine {i}", engine_args(args), env)
+        p = ServerProc(f"engine {i}", engine_args(args), env, max_lines=400)
         stack.callback(p.stop)
         procs.append(p)
     for p in procs:
@@ -305,7 +248,7 @@ def start_engines(args: argparse.Namespace, stack: contextlib.ExitStack) -> list
 
 
 def start_router(args: argparse.Namespace, engines: list[str], policy: str,
-                 stack: contextlib.ExitStack) -> Proc:
+                 stack: contextlib.ExitStack) -> ServerProc:
     """A router for `policy`, returned once every engine is serving in its pool."""
     cmd = ["router", "--host", "127.0.0.1", "--port", "0", "--policy", policy]
     for e in engines:
@@ -314,7 +257,7 @@ def start_router(args: argparse.Namespace, engines: list[str], policy: str,
         value = getattr(args, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
-    p = Proc(f"router ({policy})", cmd + list(args.router_arg))
+    p = ServerProc(f"router ({policy})", cmd + list(args.router_arg), max_lines=400)
     stack.callback(p.stop)
     p.wait_until(lambda lines: any("router listening on" in x for x in lines)
                  and len({m.group(1) for x in lines if (m := _ENGINE_SERVING.search(x))})
@@ -407,7 +350,7 @@ def _workload(args: argparse.Namespace, vocab: int) -> Workload:
                          args.rate, args.seed, min(vocab, 10000), args.think_time)
 
 
-def _show_warnings(policy: str, procs: list[Proc], limit: int = 10) -> None:
+def _show_warnings(policy: str, procs: list[ServerProc], limit: int = 10) -> None:
     """Health flaps and failures change where requests go: say so next to the figures."""
     found = [f"{p.name}: {line.rstrip()}" for p in procs for line in list(p.lines)
              if " WARNING " in line or " ERROR " in line]
@@ -420,7 +363,7 @@ def _show_warnings(policy: str, procs: list[Proc], limit: int = 10) -> None:
 def _one_policy(args: argparse.Namespace, policy: str, index: int,
                 base: Workload | None) -> tuple[PolicyResult, Workload]:
     with contextlib.ExitStack() as stack:
-        procs: list[Proc] = []
+        procs: list[ServerProc] = []
         if args.model:
             print(f"[{policy}] starting {args.num_engines} fresh engines", flush=True)
             procs = start_engines(args, stack)

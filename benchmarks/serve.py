@@ -10,7 +10,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from benchmarks.results import record
+from benchmarks.results import percentile, record
 from benchmarks.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 
@@ -20,13 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="streams open at once (0: every request at once)")
     add_workload_arguments(parser)
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 async def _one(client, req: BenchRequest, seed: int, temperature: float, sem, bar,

@@ -3,69 +3,23 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-_LISTEN = re.compile(r"listening on (\S+):(\d+)")
-
-
-@dataclass
-class ServerProc:
-    proc: subprocess.Popen
-    port: int = 0
-    lines: list[str] = field(default_factory=list)
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+from benchmarks.procs import ROOT, ServerProc
 
 
 def start_server(args: list[str], ready_marker: str, timeout: float = 120,
                  env: dict | None = None) -> ServerProc:
     """Run `nanoserve ARGS...` and wait until it prints `ready_marker`."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "clients.cli", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
-    sp = ServerProc(proc)
-
-    def pump() -> None:
-        for line in proc.stdout:
-            sp.lines.append(line)
-            m = _LISTEN.search(line)
-            if m and not sp.port:
-                sp.port = int(m.group(2))
-            if ready_marker in line:
-                sp.ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not sp.ready.wait(0.1):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sp.stop(signal.SIGKILL)
-            raise RuntimeError(f"`nanoserve {' '.join(args)}` did not become ready:\n"
-                               + sp.output()[-4000:])
+    sp = ServerProc(args[0], args, env)
+    try:
+        sp.wait_for(ready_marker, timeout)
+    except RuntimeError:
+        sp.stop(signal.SIGKILL)
+        raise
     return sp
 
 

@@ -1,0 +1,84 @@
+"""`nanoserve` subprocesses (engines, routers) on loopback ports, for benchmarks and tests.
+
+Torch-free: it only starts processes and reads their output."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+
+
+class ServerProc:
+    """One `nanoserve ARGS...` subprocess in its own process group; its merged output is
+    pumped into `lines` (the last `max_lines`, or all of it), `port` is the one it printed
+    as "listening on HOST:PORT"."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None,
+                 max_lines: int | None = None) -> None:
+        self.name = name
+        self.args = args
+        self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self.port = 0
+        self._changed = threading.Condition()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "clients.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return "".join(list(self.lines))
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                m = _LISTEN.search(line)
+                if m and not self.port:
+                    self.port = int(m.group(2))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_until(self, ready: Callable[[list[str]], bool], what: str,
+                   timeout: float) -> None:
+        """Block until ready(lines) holds; raise with the process's output otherwise."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not ready(list(self.lines)):
+                left = deadline - time.monotonic()
+                if self.proc.poll() is not None or left <= 0:
+                    tail = "".join(list(self.lines)[-60:])
+                    raise RuntimeError(f"{self.name} (nanoserve {' '.join(self.args)}) never "
+                                       f"got {what} (exit code {self.proc.poll()}):\n{tail}")
+                self._changed.wait(min(left, 0.5))
+
+    def wait_for(self, marker: str, timeout: float) -> None:
+        self.wait_until(lambda lines: any(marker in x for x in lines), repr(marker), timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal the process and wait; SIGKILL if it outlives `timeout`. Its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+

@@ -1,8 +1,7 @@
 """Python clients for nanoserve's Generation and Engine services, sync and asyncio.
 
 The same client talks to a router or to one engine: both serve `Generation`. Requests are
-built in one place (`build_request`), which the router reuses to turn its own callers'
-keywords into protos.
+built in one place (`build_request`), from a prompt and SamplingParams keywords.
 """
 
 from __future__ import annotations

@@ -353,13 +353,11 @@ class EnginePool:
     def routable(self) -> list[EngineClient]:
         return [e for e in self._engines.values() if e.routable()]
 
-    async def wait_ready(self, num_engines: int = 1, timeout: float = 10.0,
-                         with_snapshot: bool = True) -> bool:
+    async def wait_ready(self, num_engines: int = 1, timeout: float = 10.0) -> bool:
         """Wait until `num_engines` engines are routable (and their KV snapshot is in)."""
         deadline = self._clock() + timeout
         while self._clock() < deadline:
-            ready = [e for e in self.routable()
-                     if not with_snapshot or self.index.has_snapshot(e.key)]
+            ready = [e for e in self.routable() if self.index.has_snapshot(e.key)]
             if len(ready) >= num_engines:
                 return True
             await asyncio.sleep(0.02)

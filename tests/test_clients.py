@@ -34,7 +34,6 @@ from tests.fake_engine import FakeBehavior, FakeEngine, render_chat, start_fake_
 from tests.procs import run_node_client_test
 
 ROOT = Path(__file__).resolve().parent.parent
-NODE_DIR = ROOT / "clients" / "node"
 NANOSERVE = Path(sys.executable).parent / "nanoserve"
 
 

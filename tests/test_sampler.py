@@ -25,6 +25,7 @@ def build(params: list, seeds: list[int] | None = None, steps: list[int] | None 
           vocab: int = 4, prompts: list | None = None, outputs: list | None = None,
           suppress: list | None = None) -> SamplingTensors:
     b = len(params)
+    params = [p if isinstance(p, SamplingParams) else SamplingParams(**p) for p in params]
     return SamplingTensors.build(
         params, seeds if seeds is not None else list(range(b)),
         steps if steps is not None else [0] * b,
@@ -339,7 +340,8 @@ def test_build_tensors_and_flags() -> None:
     plain = build([{"temperature": 0.0}] * 2, vocab=8)
     assert plain.all_greedy and not plain.any_penalty and plain.prompt_mask is None
     with pytest.raises(ValueError, match="penalties need"):
-        SamplingTensors.build([{"presence_penalty": 1.0}], [0], [0], None, None, [], 8, "cpu")
+        SamplingTensors.build([SamplingParams(presence_penalty=1.0)], [0], [0], None, None,
+                              [], 8, "cpu")
 
 
 def test_all_greedy_batch_is_argmax() -> None:

@@ -10,7 +10,7 @@ and CUDA.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +23,6 @@ SAMPLING_EPS = 1e-5
 # Slack on the top-p boundary: a token whose preceding mass reaches top_p within float32
 # rounding of the softmax/cumsum is outside the nucleus (the smallest set with mass >= top_p).
 TOP_P_EPS = 1e-6
-
-_DEFAULTS: dict[str, object] = {
-    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-    "logprobs": None,
-}
-
 
 def _i64(c: int) -> int:
     """An unsigned 64-bit constant as the signed int64 with the same bits."""
@@ -79,10 +72,6 @@ def race_perturbed(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
     return logits - (-u.log()).log()
 
 
-def _field(p: object, name: str) -> object:
-    if isinstance(p, Mapping):
-        return p.get(name, _DEFAULTS[name])
-    return getattr(p, name)
 
 
 def _coords(token_lists: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -157,16 +146,16 @@ class SamplingTensors:
         if len(seeds) != b or len(steps) != b:
             raise ValueError(f"need one seed and one step per row ({b}), "
                              f"got {len(seeds)} seeds and {len(steps)} steps")
-        temps = [float(_field(p, "temperature")) for p in params]
+        temps = [float(p.temperature) for p in params]
         temps = [0.0 if t < SAMPLING_EPS else t for t in temps]
-        top_ks = [int(_field(p, "top_k")) for p in params]
+        top_ks = [int(p.top_k) for p in params]
         top_ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_ks]
-        top_ps = [float(_field(p, "top_p")) for p in params]
-        min_ps = [float(_field(p, "min_p")) for p in params]
-        reps = [float(_field(p, "repetition_penalty")) for p in params]
-        pres = [float(_field(p, "presence_penalty")) for p in params]
-        freqs = [float(_field(p, "frequency_penalty")) for p in params]
-        nums = [_field(p, "logprobs") for p in params]
+        top_ps = [float(p.top_p) for p in params]
+        min_ps = [float(p.min_p) for p in params]
+        reps = [float(p.repetition_penalty) for p in params]
+        pres = [float(p.presence_penalty) for p in params]
+        freqs = [float(p.frequency_penalty) for p in params]
+        nums = [p.logprobs for p in params]
         wanted = [int(n) for n in nums if n is not None]
 
         sampled = [t > 0 for t in temps]

@@ -40,21 +40,19 @@ class DetokenizerUpdate:
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas and watches its stop strings.
 
-    `prompt_token_ids` is accepted for vLLM-shaped construction but the text deliberately starts
-    at the first output token: the streamed text must equal decode(output ids), which is what a
-    unary reply and transformers give. Decoding across the prompt would glue a character split
-    at the prompt boundary, or a SentencePiece leading space, onto the output.
+    The text deliberately starts at the first output token (no prompt context): the streamed
+    text must equal decode(output ids), which is what a unary reply and transformers give.
+    Decoding across the prompt would glue a character split at the prompt boundary, or a
+    SentencePiece leading space, onto the output.
     """
 
     def __init__(
         self,
         tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
-        self.num_prompt_tokens = len(prompt_token_ids)
         self.skip_special_tokens = skip_special_tokens
         self.stop: tuple[str, ...] = tuple(s for s in stop if s)  # "" would stop at once
         self._max_held = max((len(s) for s in self.stop), default=1) - 1
@@ -67,7 +65,6 @@ class IncrementalDetokenizer:
         self._held = ""  # final text kept back because a stop string may start in it
         self.stopped = False
         self.stop_string: str | None = None
-        self.num_output_tokens = 0
 
     @property
     def output_text(self) -> str:
@@ -77,7 +74,6 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         if self.stopped:
             return DetokenizerUpdate("", True, self.stop_string)
-        self.num_output_tokens += len(new_token_ids)
         new_text = self._decode_new(new_token_ids) if new_token_ids else ""
         return self._emit(new_text, final=False)
 

@@ -200,7 +200,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                                   f"the engine's queue is full ({self.max_in_flight} requests "
                                   f"in flight); retry later")
         detok = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, ids, params.skip_special_tokens, params.stop)
+            self.tokenizer, params.skip_special_tokens, params.stop)
         state = RequestState(rid, params, len(ids), detok)
         self.registry[rid] = state
         self.idle.clear()

@@ -68,8 +68,8 @@ class LLM:
             self.engine.add_request(rid, ids, sp)
             outputs[rid] = CompletionOutput(rid, ids)
             if self.tokenizer is not None:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids,
-                                                     sp.skip_special_tokens, sp.stop)
+                detoks[rid] = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens,
+                                                     sp.stop)
             order.append(rid)
         try:
             self._run(outputs, detoks, use_tqdm)

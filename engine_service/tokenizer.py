@@ -10,7 +10,7 @@ rebuilds the same tokenizer with `Tokenizer.from_files`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,6 @@ class Tokenizer:
         self.bos_token_id = self.token_to_id(self.special_tokens_map.get("bos_token"))
         self.eos_token_id = self.token_to_id(self.special_tokens_map.get("eos_token"))
         self.pad_token_id = self.token_to_id(self.special_tokens_map.get("pad_token"))
-        self.eos_token_ids = _eos_token_ids(self.eos_token_id, self.files)
 
     @classmethod
     def from_files(cls, files: Mapping[str, bytes]) -> Tokenizer:
@@ -255,16 +254,6 @@ def _pick_chat_template(files: Mapping[str, bytes], config: Mapping[str, Any]) -
         by_name = {t["name"]: t["template"] for t in template}
         return by_name.get("default")
     return template
-
-
-def _eos_token_ids(eos_token_id: int | None, files: Mapping[str, bytes]) -> list[int]:
-    """The tokenizer's eos plus generation_config's (chat models end turns on <|im_end|>)."""
-    generation = _load_json(files, "generation_config.json").get("eos_token_id")
-    extra: Iterable[int] = [] if generation is None else (
-        [generation] if isinstance(generation, int) else generation
-    )
-    ids = [] if eos_token_id is None else [eos_token_id]
-    return list(dict.fromkeys([*ids, *(int(i) for i in extra)]))
 
 
 # ---- chat template environment (mirrors transformers' render_jinja_template) ----------------

@@ -54,10 +54,6 @@ class AttentionMetadata:
             raise ValueError(f"cu_seqlens_q_cpu must have {num_seqs + 1} entries, "
                              f"got {len(self.cu_seqlens_q_cpu)}")
 
-    @property
-    def num_seqs(self) -> int:
-        return self.cu_seqlens_q.shape[0] - 1
-
 
 def make_attention_metadata(
     query_lens: list[int],

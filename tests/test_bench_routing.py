@@ -96,4 +96,6 @@ def test_bench_routing_end_to_end(tiny_model_dir, tmp_path):
         assert float(r["output tok/s"]) > 0, out
         per_engine = [int(x) for x in r["requests per engine"].split("/")]
         assert len(per_engine) == 2 and sum(per_engine) == requests, out
+    # a tenant's later turns and conversations reuse its system prompt on its engine
+    assert float(rows[0]["prefix-cache hit rate"]) > 0, out
     assert not results.exists()  # --no-record

@@ -1,14 +1,18 @@
 """Batched sampler: penalties, suppression, temperature, top-k, top-p, min-p and seeded
 sampling for a whole batch on the model's device, with no host synchronisation.
 
-Every random draw is a counter-based hash of (seed, step, vocab index) written in integer
-tensor ops, so a request's tokens depend only on its own seed and output position — never on
-which requests share its batch or where its row sits — and the draws are bit-identical on CPU
-and CUDA.
+Every random draw is a counter-based hash of (seed, step, vocab index), so a request's tokens
+depend only on its own seed and output position — never on which requests share its batch or
+where its row sits. On CPU (and as the reference) the hash and the race are integer and float
+tensor ops here (`hashed_uniform`, `race_perturbed`); on CUDA they are fused with the argmax in
+one Triton kernel (`models/kernels/sample.py`) that reads the logits once. Both make the same
+64-bit hash words; the float logs of the race may differ by an ulp between devices, which can
+change a draw only where two perturbed logits tie to within that rounding.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,12 +70,10 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
 def race_perturbed(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
                    ) -> torch.Tensor:
     """logits - log(E) with E = -log(u) ~ Exp(1): its argmax is a draw from softmax(logits).
-    Not run through torch.compile: inductor (torch 2.11) rejects the hash's 64-bit
-    constants times its int32 index, so this stays ~15 elementwise passes over [B, V]."""
+    ~15 elementwise passes over [B, V]: the CPU path and the reference of the fused CUDA
+    kernel (`models.kernels.sample.race_argmax`)."""
     u = hashed_uniform(seeds, steps, logits.shape[-1])  # [B, V]
     return logits - (-u.log()).log()
-
-
 
 
 def _coords(token_lists: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -254,10 +256,42 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < max_logit + min_ps.log()[:, None], -math.inf)
 
 
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _temperature_only(t: SamplingTensors) -> bool:
+    """Nothing but temperature shapes this batch's draws (and no logprobs are wanted)."""
+    return not (t.any_penalty or t.suppress_token_ids is not None or t.any_top_k
+                or t.any_top_p or t.any_min_p or t.max_num_logprobs >= 0)
+
+
+def _race_argmax(logits: torch.Tensor, t: SamplingTensors, temps: torch.Tensor
+                 ) -> torch.Tensor:
+    # Imported on first CUDA use only: CPU installs may lack triton.
+    from models.kernels.sample import race_argmax
+
+    return race_argmax(logits, temps, t.seeds, t.sample_steps)
+
+
 class Sampler(nn.Module):
-    """logits [B, V] -> one token per row (plus raw logprobs when asked), on the device."""
+    """logits [B, V] -> one token per row (plus raw logprobs when asked), on the device.
+
+    use_kernel: on CUDA with triton installed, draw through the fused Triton race kernel;
+    False keeps the torch path everywhere (the reference).
+    """
+
+    def __init__(self, use_kernel: bool = True) -> None:
+        super().__init__()
+        self.use_kernel = use_kernel
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        kernel = self.use_kernel and logits.is_cuda and _triton_installed()
+        if kernel and _temperature_only(t):
+            # Nothing edits the logits: no float32 copy, read in the model's dtype (exact).
+            if t.all_greedy:
+                return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
+            return SamplerOutput(sampled_token_ids=_race_argmax(logits, t, t.temperatures))
         logits = logits.float()  # [B, V]
         raw = logits
         if t.any_penalty:
@@ -267,26 +301,45 @@ class Sampler(nn.Module):
             # The fill value is made on the device: a host scalar tensor would mean a copy.
             logits = logits.index_put((sup[:, 0], sup[:, 1]),
                                       logits.new_full((sup.shape[0],), -math.inf))
-        greedy = logits.argmax(dim=-1)  # [B]
         if t.all_greedy:
-            tokens = greedy
+            tokens = logits.argmax(dim=-1)  # [B]
+        elif kernel:
+            tokens = self._sample_kernel(logits, t)
         else:
+            greedy = logits.argmax(dim=-1)  # [B]
             tokens = torch.where(t.temperatures > 0, self._sample(logits, t), greedy)
         return self._logprobs(raw, tokens, t.max_num_logprobs)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        # Greedy rows divide by 1; their draw is discarded by the caller.
+    def _scale_and_mask(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """logits / T (greedy rows / 1), then the top-k, top-p and min-p masks."""
         temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)  # [B]
         logits = logits / temps[:, None]  # [B, V]
         if t.any_top_k or t.any_top_p:
             logits = apply_top_k_top_p(logits, t)
         if t.any_min_p:
             logits = apply_min_p(logits, t.min_ps)
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        # Greedy rows divide by 1; their draw is discarded by the caller.
+        logits = Sampler._scale_and_mask(logits, t)
         # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p. In log space
         # it is argmax_i logit_i - log E_i (softmax's normaliser is common to the row), so no
         # softmax is needed and masked tokens (-inf) can never win.
         return race_perturbed(logits, t.seeds, t.sample_steps).argmax(dim=-1)  # [B]
+
+    @staticmethod
+    def _sample_kernel(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """The draw and the greedy merge in one kernel; greedy rows (T = 0) get the argmax."""
+        if not (t.any_top_k or t.any_top_p or t.any_min_p):
+            return _race_argmax(logits, t, t.temperatures)
+        # The masks need logits / T, so divide here as the torch path does and let the kernel
+        # divide sampled rows by 1 (exact). Greedy rows were divided by 1 and every mask keeps
+        # a row's maximum (and all its ties), so their argmax is unchanged.
+        unit = (t.temperatures > 0).to(torch.float32)  # [B], 1 sampled / 0 greedy
+        return _race_argmax(Sampler._scale_and_mask(logits, t), t, unit)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, n: int) -> SamplerOutput:

@@ -1,0 +1,163 @@
+"""Fused exponential-race sampling: one token per row from logits in one read.
+
+Row b's token is argmax over v of `x[b, v] - log(-log(u(seed_b, step_b, v)))` with
+`x = float32(logit) / T_b`, or plain argmax of the logits when `T_b = 0` (greedy). `u` is the
+splitmix64 counter hash of `models.layers.sampler.hashed_uniform`, computed here in uint64 on
+the fly, so the [B, V] noise tensor of the torch path (~15 passes over it) is never built.
+
+Work split: program `(row, split)` scans `chunk` consecutive vocab entries in `BLOCK`-wide
+tiles, keeps a per-lane running (max, index) and writes the chunk's best to a float32/int32
+partial buffer `[B, num_splits]`; `_combine_kernel` reduces each row's partials. Every
+reduction keeps the lowest index among equal values (torch.argmax semantics), and chunks are
+in vocab order, so the result does not depend on the block size or split count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from models.layers.sampler import _GAMMA, _MIX1, _MIX2, _SEED_SALT
+
+_U64 = (1 << 64) - 1
+# The sampler keeps its splitmix64 constants as signed int64; uint64 arithmetic in the kernel
+# needs the same bits as unsigned literals.
+_GAMMA_U = tl.constexpr(_GAMMA & _U64)
+_MIX1_U = tl.constexpr(_MIX1 & _U64)
+_MIX2_U = tl.constexpr(_MIX2 & _U64)
+_SALT_U = tl.constexpr(_SEED_SALT & _U64)
+# An index no lane ever holds: nothing above -inf seen (-inf / NaN only, or an empty chunk).
+_NO_INDEX = tl.constexpr(2**31 - 1)
+
+# 8 elements a thread at 4 warps: one 16-byte load per thread for bf16, and the uint64 hash
+# chain still fits in registers.
+BLOCK = 1024
+NUM_WARPS = 4
+# Programs to aim for per SM (about one resident wave at ~100 registers a thread): the hash
+# is ALU-bound, so more splits would only add partials.
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _mix64(z):
+    """splitmix64 finaliser on uint64 (multiplies wrap; >> on unsigned is logical)."""
+    z = (z ^ (z >> 30)) * _MIX1_U
+    z = (z ^ (z >> 27)) * _MIX2_U
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _race_partial_kernel(
+    logits_ptr, temps_ptr, seeds_ptr, steps_ptr, part_val_ptr, part_idx_ptr,
+    vocab_size, stride_row, chunk, num_splits,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temp = tl.load(temps_ptr + row)
+    seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
+    step = tl.load(steps_ptr + row).to(tl.uint64, bitcast=True)
+    # The row's splitmix64 state; the vocab index (plus one) is its counter.
+    key = _mix64(_mix64(seed ^ _SALT_U) + step * _GAMMA_U)
+
+    lanes = tl.arange(0, BLOCK)
+    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], _NO_INDEX, tl.int32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, vocab_size)
+    row_ptr = logits_ptr + row * stride_row
+    for tile in range(start, end, BLOCK):
+        offs = tile + lanes  # [BLOCK] int32 vocab indices
+        in_row = offs < end
+        x = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32)
+        if temp > 0:
+            bits = _mix64(key + (offs + 1).to(tl.uint64) * _GAMMA_U)
+            u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # (m + 0.5) / 2**23
+            # tl.log may lower to an approximate log2 on NVIDIA; __nv_logf is what torch's CUDA
+            # log calls. The interpreter has no libdevice (numpy's log is within an ulp too).
+            # log_e: the log of an Exp(1) variate.
+            log_e = libdevice.log(-libdevice.log(u)) if LIBDEVICE else tl.log(-tl.log(u))
+            # div_rn: '/' is div.full.f32 (2 ulp) on NVIDIA; torch divides exactly.
+            x = tl.math.div_rn(x, temp) - log_e
+        # Each lane sees increasing indices, so '>' keeps the first of equal values. Entries
+        # past the row end load -inf and stay -inf; -inf and NaN never claim a lane.
+        better = x > best_val
+        best_val = tl.where(better, x, best_val)
+        best_idx = tl.where(better, offs, best_idx)
+
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, _NO_INDEX), axis=0)
+    tl.store(part_val_ptr + row * num_splits + split, top)
+    tl.store(part_idx_ptr + row * num_splits + split, idx)
+
+
+@triton.jit
+def _combine_kernel(part_val_ptr, part_idx_ptr, tokens_ptr, num_splits,
+                    SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    ok = splits < num_splits
+    vals = tl.load(part_val_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
+    idxs = tl.load(part_idx_ptr + row * num_splits + splits, mask=ok, other=_NO_INDEX)
+    top = tl.max(vals, axis=0)
+    idx = tl.min(tl.where(vals == top, idxs, _NO_INDEX), axis=0)
+    # Nothing above -inf in the row (all -inf, or NaN): 0, torch.argmax's answer for -inf.
+    idx = tl.where(idx == _NO_INDEX, 0, idx)
+    tl.store(tokens_ptr + row, idx.to(tl.int64))
+
+
+def choose_splits(num_rows: int, vocab_size: int, num_sms: int, block: int = BLOCK) -> int:
+    """Vocab chunks per row: about PROGRAMS_PER_SM programs per SM in all, so one request
+    (B = 1) still spreads its 152k entries over the whole GPU; never more than one chunk per
+    tile."""
+    target = PROGRAMS_PER_SM * num_sms
+    return max(1, min(triton.cdiv(target, max(num_rows, 1)), triton.cdiv(vocab_size, block)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter (CPU tensors): a few splits so the combine is exercised
+
+
+def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                steps: torch.Tensor, *, num_splits: int | None = None,
+                block: int = BLOCK) -> torch.Tensor:
+    """One token per row: `race_perturbed(logits / T, seeds, steps).argmax(-1)` for T > 0
+    rows, `logits.argmax(-1)` for T = 0 rows, without materialising anything [B, V].
+
+    logits: float32/bfloat16/float16 [B, V], any row stride. temperatures: float32 [B]
+    (0 = greedy). seeds, steps: int64 [B]. Returns int64 [B]. No host synchronisation.
+    `num_splits` / `block` override the launch (tests); the tokens never depend on them.
+    """
+    num_rows, vocab_size = logits.shape
+    assert temperatures.shape == seeds.shape == steps.shape == (num_rows,), (
+        f"per-row tensors must be [{num_rows}], got {tuple(temperatures.shape)}, "
+        f"{tuple(seeds.shape)}, {tuple(steps.shape)}")
+    assert seeds.dtype == torch.int64 and steps.dtype == torch.int64, "seeds/steps: int64"
+    assert 0 < vocab_size < 2**31 - 1, f"vocab size {vocab_size} out of range"
+    assert block & (block - 1) == 0, f"block must be a power of two, got {block}"
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return tokens
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    # Per-row values are read at base + row: make them dense (no-ops for the sampler's).
+    temperatures = temperatures.to(torch.float32).contiguous()
+    seeds, steps = seeds.contiguous(), steps.contiguous()
+    if num_splits is None:
+        num_splits = choose_splits(num_rows, vocab_size, _num_sms(logits.device), block)
+    # Chunks are whole tiles so only the row's last tile is ragged.
+    chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block) * block
+    part_val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    _race_partial_kernel[(num_rows, num_splits)](
+        logits, temperatures, seeds, steps, part_val, part_idx,
+        vocab_size, logits.stride(0), chunk, num_splits,
+        BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS,
+    )
+    _combine_kernel[(num_rows,)](part_val, part_idx, tokens, num_splits,
+                                 SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1)
+    return tokens

@@ -1,0 +1,249 @@
+"""The fused race-sampling kernel (models/kernels/sample.py) on CPU, under TRITON_INTERPRET=1.
+
+Like tests/test_triton_interpret.py, the interpreter must be on before triton is first
+imported, so the checks run this file as a script in a fresh subprocess. Reference: the torch
+path of the sampler, `race_perturbed(logits / T, seeds, steps).argmax(-1)` for sampled rows
+and `logits.argmax(-1)` for greedy rows, plus softmax(logits / T) for the draw frequencies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+from tests.test_triton_interpret import REPO, _assert_ok
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+
+# Perturbed top-2 closer than this (relative) may swap between log implementations (an ulp).
+NEAR_TIE_REL = 1e-5
+
+
+def race_reference(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
+                   steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], near_tie [B] bool) from the sampler's torch path on the same inputs."""
+    from models.layers.sampler import race_perturbed
+
+    x = logits.float()  # [B, V]
+    sampled = temps > 0
+    scaled = x / torch.where(sampled, temps, 1.0)[:, None]
+    perturbed = race_perturbed(scaled, seeds, steps)  # [B, V]
+    tokens = torch.where(sampled, perturbed.argmax(-1), x.argmax(-1))
+    top2 = perturbed.topk(min(2, x.shape[1]), dim=-1).values  # [B, 2]
+    if top2.shape[1] == 1:  # V = 1: nothing to tie with
+        return tokens, torch.zeros_like(sampled)
+    gap = top2[:, 0] - top2[:, 1]
+    near = sampled & torch.isfinite(top2).all(dim=-1) & (gap <= NEAR_TIE_REL * top2.abs().amax(-1))
+    return tokens, near
+
+
+def assert_tokens_match(got: torch.Tensor, ref: torch.Tensor, near: torch.Tensor,
+                        what: str) -> int:
+    """Every row outside a near tie matches exactly; returns the number of near ties."""
+    assert got.dtype == torch.int64 and got.shape == ref.shape, (what, got.dtype, got.shape)
+    got, ref = got.cpu(), ref.cpu()
+    bad = (got != ref) & ~near.cpu()
+    assert not bad.any(), (f"{what}: rows {bad.nonzero().flatten().tolist()[:10]} differ: "
+                           f"got {got[bad].tolist()[:10]}, want {ref[bad].tolist()[:10]}")
+    return int(near.sum())
+
+
+@pytest.fixture(scope="module")
+def interpreter_run() -> str:
+    """One interpreter subprocess runs every check (start-up is slow)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=280)
+    return f"{proc.stdout}\n{proc.stderr}"
+
+
+def test_draws_match_torch_reference_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "reference")
+
+
+def test_tokens_independent_of_launch_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "launches")
+
+
+def test_nan_and_empty_inputs_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "edges")
+
+
+def test_draw_frequencies_match_softmax_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "distribution")
+
+
+def test_sampler_kernel_draw_matches_torch_path_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "sampler")
+
+
+def test_near_ties_are_rare_interpreted(interpreter_run: str) -> None:
+    _assert_ok(interpreter_run, "near_ties")
+
+
+# --------------------------------------------------------------------------- subprocess side
+
+# chi-square, 7 degrees of freedom: P(X > 24.32) = 0.001. The seeds are fixed (no flakes);
+# a hash that drops or skews words lands far above it.
+CHI2_7DOF_999 = 24.32
+
+
+def _inputs(num_rows: int, vocab: int, gen: torch.Generator
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random logits, a mix of greedy / moderate / huge / tiny temperatures, int64 seeds over
+    the whole range (negative ones included) and steps."""
+    logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    choices = torch.tensor([0.0, 0.3, 1.0, 1.7, 1e4, 1e-4])
+    temps = choices[torch.randint(0, len(choices), (num_rows,), generator=gen)]
+    seeds = torch.randint(-2**63, 2**63 - 1, (num_rows,), generator=gen, dtype=torch.int64)
+    steps = torch.randint(0, 2**40, (num_rows,), generator=gen, dtype=torch.int64)
+    return logits, temps, seeds, steps
+
+
+def _main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from models.kernels.sample import race_argmax
+
+    gen = torch.Generator().manual_seed(1234)
+    counts = {"rows": 0, "near": 0}
+
+    def check(logits, temps, seeds, steps, what, **launch):
+        got = race_argmax(logits, temps, seeds, steps, **launch)
+        ref, near = race_reference(logits, temps, seeds, steps)
+        counts["near"] += assert_tokens_match(got, ref, near, what)
+        counts["rows"] += int((temps > 0).sum())
+        return got
+
+    def check_reference():
+        # V = 600 is no multiple of 64: the last tile of a row is ragged.
+        logits, temps, seeds, steps = _inputs(32, 600, gen)
+        check(logits, temps, seeds, steps, "random", block=64, num_splits=3)
+        # -inf masks: mostly masked rows, one survivor, a fully masked row (-> 0).
+        masked = logits.clone()
+        masked[:16][torch.rand(16, 600, generator=gen) < 0.9] = float("-inf")
+        masked[16, :] = float("-inf")
+        masked[16, 577] = 0.0
+        masked[17, :] = float("-inf")
+        got = check(masked, temps, seeds, steps, "masked", block=64, num_splits=3)
+        assert got[16].item() == 577 and got[17].item() == 0
+        finite = torch.isfinite(masked[:16]).gather(1, got[:16, None])
+        assert finite.all(), "a -inf entry won in a row that had finite ones"
+        # Ties: constant rows and a max repeated in the same lane of later tiles and in later
+        # splits -> the lowest index, greedy or not (noise breaks ties for sampled rows).
+        ties = torch.zeros(6, 600)
+        ties[3:, [130, 130 + 64, 400, 599]] = 5.0
+        t_temps = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+        got = check(ties, t_temps, seeds[:6], steps[:6], "ties", block=64, num_splits=3)
+        assert got[[0, 1, 3, 4, 5]].tolist() == [0, 0, 130, 130, 130]
+        # B = 1 over several default-size tiles (the last split is empty), then a row slice
+        # of a wider tensor (row stride != V) and a column-strided view.
+        one = _inputs(1, 5000, gen)
+        check(*one, "B=1", num_splits=4)
+        check(one[0], torch.ones(1), *one[2:], "B=1 sampled", num_splits=4)
+        wide = torch.randn(8, 900, generator=gen)
+        sliced = wide[:, 17:17 + 600]
+        assert sliced.stride(0) == 900
+        check(sliced, temps[:8], seeds[:8], steps[:8], "row stride", block=128, num_splits=2)
+        cols = torch.randn(600, 8, generator=gen).t()
+        check(cols, temps[:8], seeds[:8], steps[:8], "column stride", block=128)
+        # bf16 / fp16 logits go in as they are; the reference widens them to float32.
+        for dtype in (torch.bfloat16, torch.float16):
+            check(logits[:16].to(dtype), temps[:16], seeds[:16], steps[:16], f"{dtype}",
+                  block=64, num_splits=2)
+
+    def check_launches():
+        logits, temps, seeds, steps = _inputs(6, 333, gen)
+        want = check(logits, temps, seeds, steps, "launch 16x1", block=16, num_splits=1)
+        for block, splits in [(16, 7), (32, 30), (64, 2), (256, 4), (1024, None)]:
+            got = race_argmax(logits, temps, seeds, steps, block=block, num_splits=splits)
+            assert torch.equal(got, want), (block, splits, got.tolist(), want.tolist())
+
+    def check_edges():
+        # NaN never wins (and never crashes): the answer is that of the row with NaN -> -inf;
+        # a row of NaNs answers 0.
+        logits, temps, seeds, steps = _inputs(6, 300, gen)
+        with_nan = logits.clone()
+        with_nan[:5, ::7] = float("nan")
+        with_nan[5] = float("nan")
+        got = race_argmax(with_nan, temps, seeds, steps, block=64, num_splits=2)
+        ref, near = race_reference(with_nan[:5].nan_to_num(float("-inf")), temps[:5],
+                                   seeds[:5], steps[:5])
+        assert_tokens_match(got[:5], ref, near, "nan")
+        assert got[5].item() == 0
+        empty = race_argmax(torch.empty(0, 10), torch.empty(0), torch.empty(0, dtype=torch.long),
+                            torch.empty(0, dtype=torch.long))
+        assert empty.shape == (0,) and empty.dtype == torch.int64
+        # V = 1 and a vocab smaller than one tile.
+        for vocab in (1, 5):
+            x, t, s, st = _inputs(3, vocab, gen)
+            check(x, t, s, st, f"V={vocab}")
+
+    def check_distribution():
+        # 8 tokens (expected counts >= 10 each): many seeds at one step, one seed over many
+        # steps.
+        logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -0.3, 0.2])
+        n = 300
+        for temp, seeds, steps in [(0.8, torch.arange(n), torch.full((n,), 3)),
+                                   (1.6, torch.full((n,), 99), torch.arange(n))]:
+            expected = torch.softmax(logits.double() / temp, dim=-1) * n
+            toks = check(logits.expand(n, -1), torch.full((n,), temp), seeds, steps,
+                         f"T={temp}", block=8, num_splits=1)
+            seen = torch.bincount(toks, minlength=8).double()
+            chi2 = ((seen - expected) ** 2 / expected).sum().item()
+            assert chi2 < CHI2_7DOF_999, (temp, chi2, seen.tolist(), expected.tolist())
+
+    def check_sampler():
+        # The Sampler's kernel draw on masked batches (top-k / top-p / min-p mixed with greedy
+        # rows that carry masks of their own) against its torch path on the same logits.
+        from engine_service.sampling_params import SamplingParams
+        from models.layers.sampler import Sampler, SamplingTensors
+
+        kinds = [dict(temperature=0.0, top_k=3, min_p=0.5), dict(temperature=0.7, top_k=5),
+                 dict(temperature=1.3, top_p=0.6), dict(temperature=1.0, min_p=0.2),
+                 dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05),
+                 dict(temperature=1.1), dict(temperature=0.0, top_p=0.5)]
+        params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(28)]
+        vocab = 200
+        logits = torch.randn(len(params), vocab, generator=gen) * 2
+        logits[::4, 7] = logits[::4].amax(-1) + 1.0  # greedy and sampled rows with a tied max
+        logits[::4, 150] = logits[::4, 7]
+        seeds = torch.randint(0, 2**62, (len(params),), generator=gen).tolist()
+        t = SamplingTensors.build(params, seeds, list(range(len(params))), None, None, [],
+                                  vocab, "cpu")
+        assert t.any_top_k and t.any_top_p and t.any_min_p and not t.all_greedy
+        got = Sampler._sample_kernel(logits, t)
+        want = torch.where(t.temperatures > 0, Sampler._sample(logits, t), logits.argmax(-1))
+        unit = (t.temperatures > 0).float()
+        _, near = race_reference(Sampler._scale_and_mask(logits, t), unit, t.seeds,
+                                 t.sample_steps)
+        counts["near"] += assert_tokens_match(got, want, near, "sampler masks")
+        counts["rows"] += int(unit.sum())
+
+    def check_near_ties():
+        # Runs last: the rows of every check above count here.
+        assert counts["rows"] > 200, counts
+        assert counts["near"] < 0.01 * counts["rows"], counts
+
+    failed = False
+    for name, fn in [("reference", check_reference), ("launches", check_launches),
+                     ("edges", check_edges), ("distribution", check_distribution),
+                     ("sampler", check_sampler),
+                     ("near_ties", check_near_ties)]:
+        try:
+            fn()
+            print(f"OK {name}", flush=True)
+        except Exception:  # report every check, fail the process at the end
+            failed = True
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    _main()

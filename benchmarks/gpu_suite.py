@@ -1,7 +1,9 @@
 """Every GPU figure in one call: `python -m benchmarks.gpu_suite [--stages ...]`.
 
 Stages: tests (tests/gpu), offline (nano-vllm bench workload, Qwen3-0.6B shape, dummy
-bf16 weights), single (one request, 512-token prompt, 512 new tokens), serve (the same
+bf16 weights), offline_sync (the same without async scheduling), profile (host and kernel
+profile of batch-256 decode steps), allreduce (fast vs NCCL all-reduce), single (one
+request, 512-token prompt, 512 new tokens), serve (the same
 workload as concurrent streams against one engine process), hbm (copy bandwidth and the
 decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs allow).
 Logs go to $OUT (or ./.out); figures are appended to RESULTS.md (NANOSERVE_RESULTS to
@@ -56,12 +58,42 @@ def stage_tests(args) -> None:
         ROWS.append(("bf16 teacher-forced argmax agreement", agree.group(1), ">= 0.98"))
 
 
-def stage_offline(args) -> None:
-    text = sh("offline", nanoserve("bench", "offline", "--model", args.model, *args.engine_args),
-              timeout=540)
+def stage_offline(args, name: str = "offline", extra: tuple[str, ...] = ()) -> None:
+    text = sh(name, nanoserve("bench", "offline", "--model", args.model, *extra,
+                              *args.engine_args), timeout=540)
     m = re.search(r"Throughput: ([\d.]+) tok/s", text)
-    ROWS.append(("offline nano-vllm bench", f"{m.group(1)} tok/s" if m else "FAILED",
+    label = "offline nano-vllm bench" + (f" ({' '.join(extra)})" if extra else "")
+    ROWS.append((label, f"{m.group(1)} tok/s" if m else "FAILED",
                  ">= 24,000 (nano-vllm 20,400)"))
+    m = re.search(r"(\d+) steps; host busy ([\d.]+) s \(([\d.]+) ms/step\), waiting on the "
+                  r"device ([\d.]+) s", text)
+    if m and not extra:
+        ROWS.append(("  of which host busy / waiting on device",
+                     f"{m.group(2)} s ({m.group(3)} ms/step) / {m.group(4)} s",
+                     f"{m.group(1)} steps"))
+
+
+def stage_offline_sync(args) -> None:
+    """The same workload without async scheduling: what overlapping host work buys."""
+    stage_offline(args, "offline_sync", ("--no-async-scheduling", "--no-record"))
+
+
+def stage_profile(args) -> None:
+    """Host profile and kernel table of decode steps at batch 256 (log only)."""
+    sh("profile_b256", [sys.executable, "-m", "benchmarks.profile_decode", "--model",
+                        args.model, "--batch", "256", "--steps", "64"], timeout=300)
+
+
+def stage_allreduce(args) -> None:
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        return
+    text = sh("allreduce", [sys.executable, "-m", "benchmarks.allreduce_bench",
+                            "--world-size", str(min(n, 4))], timeout=180)
+    ROWS.append(("all-reduce microbench", "see allreduce.log" if "|" in text else "FAILED",
+                 ""))
 
 
 def stage_single(args) -> None:
@@ -131,8 +163,9 @@ def stage_tp(args) -> None:
                          f"{m.group(1)} tok/s" if m else "FAILED", ""))
 
 
-STAGES = {"tests": stage_tests, "offline": stage_offline, "single": stage_single,
-          "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp}
+STAGES = {"tests": stage_tests, "offline": stage_offline, "offline_sync": stage_offline_sync,
+          "single": stage_single, "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp,
+          "profile": stage_profile, "allreduce": stage_allreduce}
 
 
 def main() -> int:

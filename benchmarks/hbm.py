@@ -45,7 +45,7 @@ def decode_step_bandwidth(model_dir: str, batch: int, context: int) -> tuple[flo
         bm.allocate(seq, context)
         seq.num_computed_tokens = context - 1
         seqs.append(seq)
-    sched = [ScheduledSeq(s, 1, True) for s in seqs]
+    sched = [ScheduledSeq(s, 1, True, context - 1) for s in seqs]
     for _ in range(3):
         runner.execute(sched, [])
     times = []

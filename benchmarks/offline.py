@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from engine_service import LLM, SamplingParams
+    from engine_service.engine import StepStats
 
     args.model, is_preset = resolve_model(args.model)
     if is_preset:
@@ -37,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
                              max_tokens=r.max_tokens, seed=i) for i, r in enumerate(reqs)]
     prompts = [r.prompt_token_ids for r in reqs]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)  # warm-up
+    llm.engine.total_stats = stats = StepStats(num_steps=0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -45,6 +47,10 @@ def main(args: argparse.Namespace) -> int:
     assert produced == total, f"expected {total} tokens (ignore_eos), got {produced}"
     tps = total / elapsed
     print(f"Total: {total} tok, Time: {elapsed:.2f}s, Throughput: {tps:.2f} tok/s")
+    busy = stats.seconds - stats.wait_seconds
+    print(f"{stats.num_steps} steps; host busy {busy:.2f} s ({busy / stats.num_steps * 1e3:.2f} "
+          f"ms/step), waiting on the device {stats.wait_seconds:.2f} s"
+          + ("" if config.async_scheduling else " (not measured without async scheduling)"))
     if not args.no_record:
         record("offline throughput (nano-vllm bench workload)", {
             "requests": str(len(reqs)),

@@ -86,9 +86,10 @@ class BlockManager:
         else:
             hits = self._cache_hits(seq)
             computed = len(hits) * self.block_size
-        if num_new_tokens < 1 or computed + num_new_tokens > seq.num_tokens:
+        total = seq.num_tokens + seq.num_pending_tokens
+        if num_new_tokens < 1 or computed + num_new_tokens > total:
             raise ValueError(f"cannot allocate {num_new_tokens} new tokens for {seq.seq_id!r}: "
-                             f"{computed} of its {seq.num_tokens} tokens are computed")
+                             f"{computed} of its {total} tokens are computed")
         if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError(f"not enough free KV blocks for {num_new_tokens} tokens of "
                                f"{seq.seq_id!r} ({len(self.free_blocks)} free)")
@@ -105,9 +106,15 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that are now full and fully computed, as one `stored` batch."""
+        """Register blocks that are now full and fully computed, as one `stored` batch.
+
+        "Computed" means launched: with async scheduling a block's last KV may still be in
+        flight, which is safe because any step that reads it is launched later on the same
+        stream. A block whose last token is still pending (not on the host) waits, since its
+        hash needs that token."""
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
+        num_full = min(num_full, len(seq.block_table))
         stored: list[int] = []
         for i in range(seq.num_hashed_blocks, num_full):
             block_hash = self._block_hash(seq, i)

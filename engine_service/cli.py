@@ -25,6 +25,10 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for decode")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling",
+                        action="store_false",
+                        help="wait for each step's tokens before scheduling the next (default: "
+                        "the next step is launched while the device runs this one)")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                         help="dummy: random weights from config.json alone")
@@ -42,6 +46,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_block_size=args.kv_block_size, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, load_format=args.load_format,
         max_waiting_requests=args.max_waiting_requests, seed=args.seed)
 

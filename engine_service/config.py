@@ -27,6 +27,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization (or a CPU default)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # Launch step N+1 before step N's tokens reach the host (tensor parallel: always off).
+    async_scheduling: bool = True
     attention_backend: str = "auto"
     load_format: str = "auto"
     max_waiting_requests: int = 1024

@@ -8,13 +8,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_service.block_hash import HASH_SCHEME
 from engine_service.block_manager import BlockManager, KvEvent
 from engine_service.config import EngineConfig
 from engine_service.sampling_params import SamplingParams, check_field
-from engine_service.scheduler import Scheduler
+from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine_service.model_runner import LaunchedStep, StepResult
 
 
 @dataclass
@@ -37,7 +41,17 @@ class RequestOutput:
 class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole call
+    # of which the host sat waiting for the device's tokens (async scheduling only)
+    wait_seconds: float = 0.0
+    num_steps: int = 1
+
+    def add(self, other: StepStats) -> None:
+        self.num_prefill_tokens += other.num_prefill_tokens
+        self.num_decode_tokens += other.num_decode_tokens
+        self.seconds += other.seconds
+        self.wait_seconds += other.wait_seconds
+        self.num_steps += other.num_steps
 
 
 def validate_prompt(prompt_token_ids: SequenceT[int], max_model_len: int, vocab_size: int
@@ -65,6 +79,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.kv_block_size)
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.last_stats = StepStats()
+        self.total_stats = StepStats(num_steps=0)  # since start; benchmarks reset it
+        # Tensor-parallel workers take input tokens from the host, so they step in lockstep.
+        self._async = config.async_scheduling and config.tensor_parallel_size == 1
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._wait_seconds = 0.0
 
     # ---------------------------------------------------------------- requests
 
@@ -85,6 +104,7 @@ class LLMEngine:
         return self.scheduler.abort(request_id) is not None
 
     def shutdown(self) -> None:
+        self._in_flight = None
         self.model_runner.shutdown()
 
     def has_unfinished(self) -> bool:
@@ -93,21 +113,58 @@ class LLMEngine:
     # ---------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that finished.
+
+        With async scheduling the step launched here finishes during the next call: its
+        tokens are read (and the host postprocesses them) while the device runs the next
+        step, so scheduling, batch building and output handling overlap the forward pass.
+        Otherwise (or when a sampling penalty needs a pending token on the host) each step
+        finishes in the call that launched it."""
         t0 = time.perf_counter()
+        self._wait_seconds = 0.0
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not self._can_overlap():
+            outputs += self._finish(self._in_flight)
+            self._in_flight = None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        result = self.model_runner.execute(sched.scheduled, self.eos_token_ids)
-        prefill = sum(s.num_new_tokens for s in sched.scheduled if not self._is_decode(s))
-        self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
-                                    time.perf_counter() - t0)
+        launched = None
+        if not sched.is_empty:
+            if self._async:
+                launched = (sched, self.model_runner.launch(sched.scheduled,
+                                                            self.eos_token_ids))
+            else:  # tensor parallel or --no-async-scheduling
+                result = self.model_runner.execute(sched.scheduled, self.eos_token_ids)
+                outputs += self._postprocess(sched, result)
+        if self._in_flight is not None:
+            outputs += self._finish(self._in_flight)
+        self._in_flight = launched
+        if not sched.is_empty:
+            prefill = sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
+            self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
+                                        time.perf_counter() - t0, self._wait_seconds)
+            self.total_stats.add(self.last_stats)
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        """A penalty reads a row's whole output history, pending token included."""
+        return not any(s.num_pending_tokens and s.sampling_params.uses_penalties
+                       for s in self.scheduler.running)
+
+    def _finish(self, in_flight: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
+        sched, launched = in_flight
+        t0 = time.perf_counter()
+        result = launched.result()
+        self._wait_seconds += time.perf_counter() - t0
+        return self._postprocess(sched, result)
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids)}
         outputs = []
         for item, token, lp in zip(sched.scheduled, result.token_ids, result.logprobs,
                                    strict=True):
             seq = item.seq
-            if token is None and seq.seq_id not in finished:
-                continue
+            if seq.seq_id not in finished and (token is None or seq.is_finished):
+                continue  # a mid-prompt chunk, or a row of an aborted / stopped sequence
             outputs.append(RequestOutput(
                 request_id=seq.seq_id,
                 new_token_ids=[] if token is None else [token],
@@ -119,10 +176,6 @@ class LLMEngine:
                 num_cached_tokens=seq.num_cached_tokens,
                 num_output_tokens=seq.num_output_tokens))
         return outputs
-
-    @staticmethod
-    def _is_decode(item) -> bool:
-        return item.num_new_tokens == 1 and item.seq.num_output_tokens > 0
 
     # ---------------------------------------------------------------- KV events / load
 

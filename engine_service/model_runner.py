@@ -15,8 +15,9 @@ from models.attention_metadata import make_attention_metadata
 from models.backends import get_attention_backend
 from models.config import Qwen3Config
 from models.host_copy import to_device
-from models.layers.sampler import Sampler, SamplingTensors
+from models.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from models.loader import init_dummy_weights, load_weights
+from models.parallel import close_fast_all_reduce, init_fast_all_reduce
 from models.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,66 @@ class StepResult:
 
     token_ids: list[int | None]
     logprobs: list[tuple[float, list[int], list[float]] | None]
+
+
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device. Its outputs are
+    copied to pinned host memory behind the step and `result()` waits for that copy alone,
+    so the host can launch the next step first (a plain `.tolist()` would also wait for
+    everything queued after this step)."""
+
+    def __init__(self, batch: list[ScheduledSeq], out: SamplerOutput | None) -> None:
+        self.batch = batch
+        self._host: dict[str, torch.Tensor] = {}
+        self._done: torch.cuda.Event | None = None
+        if out is None:
+            return
+        fields = {"sampled": out.sampled_token_ids}
+        if out.logprobs is not None:  # some row asked for logprobs
+            fields.update(logprobs=out.logprobs, top_ids=out.top_token_ids,
+                          top_lp=out.top_logprobs)
+        on_cuda = out.sampled_token_ids.is_cuda
+        for name, t in fields.items():
+            if on_cuda:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self._host[name] = host.copy_(t, non_blocking=True)
+            else:
+                self._host[name] = t
+        if on_cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> StepResult:
+        if self._done is not None:
+            self._done.synchronize()  # the one host synchronisation of the step
+        batch = self.batch
+        if not self._host:
+            return StepResult([None] * len(batch), [None] * len(batch))
+        sampled = self._host["sampled"].tolist()
+        rows = [item for item in batch if item.sample]
+        lp = self._logprobs(rows) if "logprobs" in self._host else None
+        tokens: list[int | None] = []
+        logprobs: list = []
+        it = iter(range(len(rows)))
+        for item in batch:
+            if item.sample:
+                r = next(it)
+                tokens.append(sampled[r])
+                logprobs.append(lp[r] if lp is not None else None)
+            else:
+                tokens.append(None)
+                logprobs.append(None)
+        return StepResult(tokens, logprobs)
+
+    def _logprobs(self, rows: list[ScheduledSeq]) -> list:
+        chosen = self._host["logprobs"].tolist()
+        top_ids = self._host["top_ids"].tolist()
+        top_lp = self._host["top_lp"].tolist()
+        result = []
+        for r, item in enumerate(rows):
+            n = item.seq.sampling_params.logprobs
+            result.append(None if n is None else (chosen[r], top_ids[r][:n], top_lp[r][:n]))
+        return result
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,6 +134,7 @@ class ModelRunner:
     def _build(self) -> None:
         """The model shard, its weights, the KV cache and the CUDA graphs (every rank)."""
         config = self.config
+        init_fast_all_reduce(self.device)  # collective; before any graph captures one
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
         self.model_config = Qwen3Config.from_dir(config.model)
         self.block_size = config.kv_block_size
@@ -93,6 +155,10 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.vocab_size = self.model_config.vocab_size
+        # The last launched step's sampled tokens, by sequence: a pending input token of the
+        # next step is read from here (async scheduling).
+        self._prev_sampled: torch.Tensor | None = None  # [num_rows] int64
+        self._prev_sample_rows: dict[str, int] = {}
 
         self.num_kv_blocks = agree_on_num_kv_blocks(self._decide_num_kv_blocks(), self.device)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
@@ -105,6 +171,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release what outlives the object (TP ranks, graphs)."""
         self.graph_runner = None
+        close_fast_all_reduce()  # the graphs that used its buffer are gone
         if self.tp is not None:
             self.tp.shutdown()
             self.tp = None
@@ -185,41 +252,57 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: list[ScheduledSeq]):
         """Flatten a mixed batch (decode rows, prefills, prefix-cached prefills, chunks):
-        (input_ids [T], positions [T], attention metadata, logits_indices [num_rows])."""
+        (input_ids [T], positions [T], attention metadata, logits_indices [num_rows]).
+
+        A row whose last input token is still pending (sampled by the previous step, not yet
+        on the host) takes it from that step's sampled tokens on the device."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
+        pending_dst: list[int] = []  # flat token index that waits for a device token
+        pending_src: list[int] = []  # its row in the previous step's sampled tokens
         for item in batch:
             seq = item.seq
-            start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
+            start, end = item.start, item.start + item.num_new_tokens
+            known = min(end, len(seq.token_ids))
+            input_ids.extend(seq.token_ids[start:known])
+            if known < end:
+                if end - known != 1 or seq.seq_id not in self._prev_sample_rows:
+                    raise RuntimeError(f"{seq.seq_id!r}: input token {known} is neither on "
+                                       f"the host nor sampled by the previous step")
+                pending_dst.append(len(input_ids))
+                pending_src.append(self._prev_sample_rows[seq.seq_id])
+                input_ids.append(0)
             positions.extend(range(start, end))
             if item.sample:
                 logits_indices.append(len(input_ids) - 1)
         meta = make_attention_metadata(
             [item.num_new_tokens for item in batch],
-            [item.seq.num_computed_tokens + item.num_new_tokens for item in batch],
+            [item.start + item.num_new_tokens for item in batch],
             [item.seq.block_table for item in batch], self.block_size, self.device)
         dev = self.device
-        return (to_device(input_ids, torch.long, dev), to_device(positions, torch.long, dev),
-                meta, to_device(logits_indices, torch.long, dev))
+        ids = to_device(input_ids, torch.long, dev)  # [T]
+        if pending_dst:
+            assert self._prev_sampled is not None
+            index = to_device([pending_dst, pending_src], torch.long, dev)  # [2, P]
+            ids[index[0]] = self._prev_sampled[index[1]]
+        return (ids, to_device(positions, torch.long, dev), meta,
+                to_device(logits_indices, torch.long, dev))
 
     def prepare_sampling(self, rows: list[ScheduledSeq], eos_token_ids: list[int]
                          ) -> SamplingTensors:
         params = [item.seq.sampling_params for item in rows]
-        need_history = any(p.repetition_penalty != 1 or p.presence_penalty != 0
-                           or p.frequency_penalty != 0 for p in params)
+        need_history = any(p.uses_penalties for p in params)
         suppress: list[tuple[int, int]] = []
         for row, item in enumerate(rows):
-            seq, sp = item.seq, item.seq.sampling_params
-            if seq.num_output_tokens < sp.min_tokens:
+            sp = item.seq.sampling_params
+            if item.output_index < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
                 suppress.extend((row, t) for t in banned if t < self.vocab_size)
         return SamplingTensors.build(
             params=params,
             seeds=[item.seq.seed for item in rows],
-            steps=[item.seq.num_output_tokens for item in rows],
+            steps=[item.output_index for item in rows],
             prompt_token_ids=[item.seq.token_ids[:item.seq.num_prompt_tokens] for item in rows]
             if need_history else None,
             output_token_ids=[item.seq.output_token_ids for item in rows]
@@ -244,47 +327,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> StepResult:
+        """Run one step and wait for its tokens."""
         if self.tp is None:
-            return self._execute(batch, eos_token_ids)
+            return self.launch(batch, eos_token_ids).result()
         with self.tp.step(batch):  # sends the step to the workers; a dead rank -> clear error
-            return self._execute(batch, eos_token_ids)
+            return self.launch(batch, eos_token_ids).result()
 
-    def _execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> StepResult:
+    @torch.inference_mode()
+    def launch(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
+        """Queue one step's forward pass and sampling on the device; returns at once (CUDA).
+        Tensor-parallel engines go through `execute`: their workers get tokens from the host."""
         rows = [item for item in batch if item.sample]
         logits = self.run_model(batch)
         if logits is None:
-            return StepResult([None] * len(batch), [None] * len(batch))
+            self._prev_sampled, self._prev_sample_rows = None, {}
+            return LaunchedStep(batch, None)
         out = self.sampler(logits, self.prepare_sampling(rows, eos_token_ids))
-        # The one host synchronisation of the step: read what was sampled.
-        sampled = out.sampled_token_ids.tolist()
-        lp = self._logprobs_to_host(out, rows)
-        tokens: list[int | None] = []
-        logprobs: list = []
-        it = iter(range(len(rows)))
-        for item in batch:
-            if item.sample:
-                r = next(it)
-                tokens.append(sampled[r])
-                logprobs.append(lp[r] if lp is not None else None)
-            else:
-                tokens.append(None)
-                logprobs.append(None)
-        return StepResult(tokens, logprobs)
-
-    @staticmethod
-    def _logprobs_to_host(out, rows: list[ScheduledSeq]):
-        if out.top_logprobs is None and all(i.seq.sampling_params.logprobs is None for i in rows):
-            return None
-        chosen = out.logprobs.tolist()
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        result = []
-        for r, item in enumerate(rows):
-            n = item.seq.sampling_params.logprobs
-            if n is None:
-                result.append(None)
-                continue
-            ids = top_ids[r][:n] if top_ids is not None else []
-            vals = top_lp[r][:n] if top_lp is not None else []
-            result.append((chosen[r], ids, vals))
-        return result
+        self._prev_sampled = out.sampled_token_ids  # [num_rows], inputs of the next step
+        self._prev_sample_rows = {item.seq.seq_id: r for r, item in enumerate(rows)}
+        return LaunchedStep(batch, out)

@@ -15,12 +15,24 @@ from engine_service.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # computed this step, from seq.num_computed_tokens on
-    sample: bool  # the chunk reaches the last known token, so a new token is sampled
+    num_new_tokens: int  # computed this step: positions start .. start + num_new_tokens - 1
+    sample: bool  # the chunk reaches the sequence's last token, so a new token is sampled
+    start: int  # KV tokens computed before this step
 
     def __post_init__(self) -> None:
         if self.num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {self.num_new_tokens}")
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+    @property
+    def output_index(self) -> int:
+        """Index among the sequence's outputs of the token this row samples."""
+        return self.start + self.num_new_tokens - self.seq.num_prompt_tokens
 
 
 @dataclass
@@ -36,7 +48,12 @@ class SchedulerOutput:
 
 class Scheduler:
     """FCFS: older sequences (lower `arrival`) have priority; under KV pressure the newest
-    running sequence is preempted and later recomputed from prompt + outputs so far."""
+    running sequence is preempted and later recomputed from prompt + outputs so far.
+
+    `schedule()` commits the step as launched: each row's KV counts as computed and a sampling
+    row leaves a pending token, so the next step can be scheduled before this one's tokens
+    are on the host (async scheduling). `postprocess()` then appends the sampled tokens.
+    """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  eos_token_ids: list[int]) -> None:
@@ -115,7 +132,8 @@ class Scheduler:
         # Running sequences: decode rows (one token each) first, then prefill chunks, each
         # group oldest first. A chunk shrinks to the free blocks; only a sequence that cannot
         # take a single token preempts, so preemption is as rare as it can be.
-        decode = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        decode = [s for s in self.running
+                  if s.num_uncomputed_tokens == 1 and not self._last_token_pending(s)]
         prefill = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decode + prefill:
             if budget == 0:
@@ -140,6 +158,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted with its last token in flight: admit once it has landed
             cached = bm.get_num_cached_tokens(seq)
             num_new = min(seq.num_tokens - cached, budget)
             if not bm.can_allocate(seq, num_new):
@@ -152,7 +172,19 @@ class Scheduler:
             budget -= num_new
 
         scheduled = list(rows.values())
+        for row in scheduled:
+            row.seq.num_computed_tokens += row.num_new_tokens
+            row.seq.num_pending_tokens += row.sample
         return SchedulerOutput(scheduled, sum(r.num_new_tokens for r in scheduled), preempted)
+
+    def _last_token_pending(self, seq: Sequence) -> bool:
+        """The pending token is certain to end seq by length: computing it would be waste,
+        and past max_model_len it would not even have a KV slot."""
+        if not seq.num_pending_tokens:
+            return False
+        num_outputs = seq.num_output_tokens + seq.num_pending_tokens
+        return (num_outputs >= seq.sampling_params.max_tokens
+                or seq.num_tokens + seq.num_pending_tokens >= self.max_model_len)
 
     def _num_fitting_tokens(self, seq: Sequence) -> int:
         """New tokens a running seq could compute with its blocks plus the free ones."""
@@ -161,7 +193,9 @@ class Scheduler:
         return capacity - seq.num_computed_tokens
 
     def _row(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        return ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
+        end = seq.num_computed_tokens + num_new
+        return ScheduledSeq(seq, num_new, end == seq.num_tokens + seq.num_pending_tokens,
+                            seq.num_computed_tokens)
 
     def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
         victim = self.running.pop()
@@ -189,19 +223,21 @@ class Scheduler:
         for row, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
             seq = row.seq
             if seq.is_finished:
-                continue  # aborted while the step ran; its blocks are already free
-            seq.num_computed_tokens += row.num_new_tokens
+                continue  # aborted, or stopped by its previous token, while the step ran
+            if token_id is not None:
+                seq.num_pending_tokens -= 1
+                seq.append_token(token_id)
             self.block_manager.cache_full_blocks(seq)
-            if token_id is None:
-                continue
-            seq.append_token(token_id)
-            if self._check_stop(seq):
+            if token_id is not None and self._check_stop(seq):
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.free(seq)
                 del self._unfinished[seq.seq_id]
                 finished.append(seq)
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
+            # A sequence preempted while its last token was in flight waits re-admission.
+            if any(s.is_finished for s in self.waiting):
+                self.waiting = deque(s for s in self.waiting if not s.is_finished)
         return finished
 
     def _check_stop(self, seq: Sequence) -> bool:

@@ -21,12 +21,17 @@ class Sequence:
     schedule; a recompute after preemption does not change it (usage reports what the client
     got from the cache, not the engine's own re-hits of blocks it computed for this request).
     `arrival` is set by `Scheduler.add` (a per-scheduler counter) and orders FCFS priority.
+
+    With async scheduling a step is launched before the previous step's tokens reach the host:
+    `num_pending_tokens` (0 or 1) counts a token sampled on the device but not yet appended to
+    `token_ids`. Its KV slot is scheduled like any other token; the model runner reads the
+    token itself from the device.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_table", "block_hashes", "num_hashed_blocks", "status", "sampling_params", "seed",
-        "arrival", "finish_reason", "stop_reason", "num_preemptions",
+        "arrival", "num_pending_tokens", "finish_reason", "stop_reason", "num_preemptions",
     )
 
     def __init__(self, seq_id: str, token_ids: list[int], sampling_params: SamplingParams,
@@ -37,6 +42,7 @@ class Sequence:
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         # Chained hashes of this sequence's full blocks, a memo of a pure function of
@@ -60,6 +66,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens on the host (pending ones not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -80,11 +87,13 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens (pending ones included) whose KV is not computed or scheduled yet."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+                f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, "
+                f"blocks={self.block_table})")

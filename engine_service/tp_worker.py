@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from engine_service.scheduler import ScheduledSeq
+from models.parallel import disable_nvlink_multicast
 
 if TYPE_CHECKING:
     from engine_service.config import EngineConfig
@@ -105,7 +106,7 @@ class StepEncoder:
         for row, item in enumerate(batch):
             seq = item.seq
             hit = self._prev.get(seq.seq_id)
-            if hit is not None and _still_mirrored(hit[1], seq):
+            if hit is not None and _still_mirrored(hit[1], item):
                 prev_row, sent = hit
                 tokens = seq.token_ids[sent.num_tokens:]
                 blocks = seq.block_table[len(sent.blocks):]
@@ -115,22 +116,23 @@ class StepEncoder:
             else:
                 tokens, blocks = seq.token_ids, seq.block_table
                 out.extend((FULL_ROW, item.num_new_tokens, item.sample, len(tokens),
-                            len(blocks), seq.num_computed_tokens))
+                            len(blocks), item.start))
                 sent = _Sent(seq, 0, list(blocks), 0)
             out.extend(tokens)
             out.extend(blocks)
             sent.num_tokens = len(seq.token_ids)
-            sent.num_computed_tokens = seq.num_computed_tokens + item.num_new_tokens
+            sent.num_computed_tokens = item.start + item.num_new_tokens
             current[seq.seq_id] = (row, sent)
         self._prev = current
         return out.tobytes()
 
 
-def _still_mirrored(sent: _Sent, seq: Sequence) -> bool:
-    """The worker's copy is a prefix of `seq`: same object (a request id can come back as a
-    new request), KV computed exactly as far as the last step left it, same leading blocks
-    (a preempted sequence readmitted with the same count may hold other blocks)."""
-    return (sent.seq is seq and seq.num_computed_tokens == sent.num_computed_tokens
+def _still_mirrored(sent: _Sent, item: ScheduledSeq) -> bool:
+    """The worker's copy is a prefix of the row's sequence: same object (a request id can
+    come back as a new request), KV computed exactly as far as the last step left it, same
+    leading blocks (a preempted sequence readmitted with the same count may hold others)."""
+    seq = item.seq
+    return (sent.seq is seq and item.start == sent.num_computed_tokens
             and seq.block_table[:len(sent.blocks)] == sent.blocks)
 
 
@@ -153,7 +155,8 @@ def decode_step(message: bytes, prev: list[MirrorSeq]) -> list[ScheduledSeq]:
             seq.token_ids.extend(values[i:i + n_tok])
             seq.block_table.extend(values[i + n_tok:i + n_tok + n_blk])
         i += n_tok + n_blk
-        batch.append(ScheduledSeq(seq, num_new, bool(sample)))  # type: ignore[arg-type]
+        batch.append(ScheduledSeq(seq, num_new, bool(sample),  # type: ignore[arg-type]
+                                  seq.num_computed_tokens))
     return batch
 
 
@@ -179,6 +182,7 @@ def join_process_group(device: torch.device, init_method: str, rank: int,
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         store = dist.TCPStore(host, int(port), world_size, False,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    disable_nvlink_multicast()  # before NCCL reads its environment
     dist.init_process_group(backend_for(device), store=store, rank=rank,
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 

@@ -176,3 +176,56 @@ def test_bad_input_names_field_and_leaves_no_state(tiny_model_dir, vocab, prompt
 def test_impossible_config_rejected(tiny_model_dir, kwargs, field):
     with pytest.raises(ValueError, match=field):
         make_llm(tiny_model_dir, **kwargs)
+
+
+def test_async_scheduling_overlaps_and_matches_the_synchronous_loop(tiny_model_dir, vocab):
+    """The next step is launched before the previous step's tokens are read, and that changes
+    no token: greedy, seeded sampling, logprobs, stop tokens, min_tokens and (forcing a
+    drain) penalties, under chunked prefill and preemption."""
+    from engine_service.model_runner import LaunchedStep
+
+    prompts = make_prompts(10, vocab, seed=21, min_len=5, max_len=50)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=15, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.8, seed=1, max_tokens=9, logprobs=2,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=20, min_tokens=4,
+                             stop_token_ids=list(range(0, vocab, 7))),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True,
+                             repetition_penalty=1.3, frequency_penalty=0.5)] * 2
+    kw = dict(kv_block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_model_len=96)
+    sync = make_llm(tiny_model_dir, async_scheduling=False, **kw)
+    want = sync.generate(prompts, params, use_tqdm=False)
+
+    llm = make_llm(tiny_model_dir, **kw)
+    launched: list[LaunchedStep] = []
+    overlapped: list[bool] = []  # per result read: was a later step launched already?
+    launch, result = llm.engine.model_runner.launch, LaunchedStep.result
+
+    def spy_launch(batch, eos):
+        launched.append(launch(batch, eos))
+        return launched[-1]
+
+    def spy_result(self):
+        overlapped.append(launched[-1] is not self)
+        return result(self)
+
+    llm.engine.model_runner.launch = spy_launch
+    preempted = spy_preemptions(llm)
+    try:
+        LaunchedStep.result = spy_result
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        LaunchedStep.result = result
+    for w, g in zip(want, got, strict=True):
+        assert (g.token_ids, g.finish_reason, g.stop_reason) == \
+            (w.token_ids, w.finish_reason, w.stop_reason)
+        # Batches differ between the loops, so float sums may round differently.
+        assert [lp[1] for lp in g.logprobs] == [lp[1] for lp in w.logprobs]
+        flat = [[lp[0], *lp[2]] for lp in g.logprobs]
+        assert flat == [pytest.approx([lp[0], *lp[2]], abs=1e-4) for lp in w.logprobs]
+    assert any(o.finish_reason == "stop" for o in got), "a stop token was meant to fire"
+    assert preempted, "the KV budget was meant to force preemption"
+    # launch N+1 came before result N, except while a penalty row needed a drain
+    assert len(launched) - 1 <= len(overlapped) <= len(launched)  # the last may be all waste
+    assert sum(overlapped) > len(overlapped) // 2, overlapped

@@ -38,19 +38,31 @@ def make_config(tmp_path: Path) -> Callable[..., EngineConfig]:
     return make
 
 
-def next_token(seq: Sequence) -> int:
-    """Deterministic in (request, position), like greedy decoding: recompute cannot change it.
-    Never EOS (2) or the stop ids the tests use (>= 1000)."""
-    return 10 + (sum(map(ord, seq.seq_id)) * 7 + seq.num_tokens * 13) % 900
+def next_token(seq: Sequence, index: int) -> int:
+    """Output `index` of seq: deterministic in (request, position), like greedy decoding, so
+    recompute cannot change it. Never EOS (2) or the stop ids the tests use (>= 1000)."""
+    position = seq.num_prompt_tokens + index
+    return 10 + (sum(map(ord, seq.seq_id)) * 7 + position * 13) % 900
+
+
+TokenFn = Callable[[Sequence, int], int]
 
 
 class Harness:
-    def __init__(self, config: EngineConfig, eos: tuple[int, ...] = (EOS,)) -> None:
+    """Drives the scheduler like the engine does. With `overlap` (async scheduling) a step's
+    sampled tokens reach postprocess only after the next step is scheduled; until then the
+    "device" holds them, and the next step's KV writes read them from there."""
+
+    def __init__(self, config: EngineConfig, eos: tuple[int, ...] = (EOS,),
+                 overlap: bool = False) -> None:
         self.config = config
         self.bm = BlockManager(config.num_kv_blocks, config.kv_block_size)
         self.sched = Scheduler(config, self.bm, list(eos))
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token held there
         self.finished: list[Sequence] = []
+        self.overlap = overlap
+        self._in_flight: tuple[SchedulerOutput, list[int | None]] | None = None
+        self._device: dict[str, int] = {}  # the in-flight step's sampled tokens
         self._n = 0
 
     def add(self, prompt: list[int], seq_id: str | None = None, **params: object) -> Sequence:
@@ -59,25 +71,32 @@ class Harness:
         self.sched.add(seq)
         return seq
 
-    def step(self, tokens: Callable[[Sequence], int] = next_token,
-             ) -> tuple[SchedulerOutput, list[Sequence]]:
+    def step(self, tokens: TokenFn = next_token) -> tuple[SchedulerOutput, list[Sequence]]:
         out = self.sched.schedule()
         self.check_batch(out)
-        sampled = [tokens(r.seq) if r.sample else None for r in out.scheduled]
         self.write_kv(out)
-        done = self.sched.postprocess(out, sampled)
+        sampled = [tokens(r.seq, r.output_index) if r.sample else None for r in out.scheduled]
+        if not self.overlap:
+            done = self.sched.postprocess(out, sampled)
+        else:
+            done = self.sched.postprocess(*self._in_flight) if self._in_flight else []
+            self._in_flight = (out, sampled) if not out.is_empty else None
+            self._device = {r.seq.seq_id: t for r, t in zip(out.scheduled, sampled, strict=True)
+                            if t is not None}
         self.finished += done
         self.bm.check_consistency()
         return out, done
 
     def write_kv(self, out: SchedulerOutput) -> None:
-        """What the model does: store each scheduled chunk's KV in its slots."""
+        """What the model does: store each scheduled chunk's KV in its slots (a pending
+        input token comes from the device)."""
         for r in out.scheduled:
             s = r.seq
-            for pos in range(s.num_computed_tokens, s.num_computed_tokens + r.num_new_tokens):
+            for pos in range(r.start, r.start + r.num_new_tokens):
                 block = s.block_table[pos // BS]
                 assert self.bm.blocks[block].ref_count == 1, "writing into a shared block"
-                self.kv[(block, pos % BS)] = s.token_ids[pos]
+                token = s.token_ids[pos] if pos < s.num_tokens else self._device[s.seq_id]
+                self.kv[(block, pos % BS)] = token
 
     def check_batch(self, out: SchedulerOutput) -> None:
         cfg = self.config
@@ -90,10 +109,13 @@ class Harness:
             s = r.seq
             assert r.num_new_tokens >= 1
             assert s.status is SequenceStatus.RUNNING
-            end = s.num_computed_tokens + r.num_new_tokens
-            assert end <= s.num_tokens and r.sample == (end == s.num_tokens)
+            end = r.start + r.num_new_tokens
+            assert s.num_computed_tokens == end  # the step is committed as launched
+            before = s.num_tokens + s.num_pending_tokens - r.sample  # incl. a pending input
+            assert end <= before and r.sample == (end == before)
+            assert s.num_pending_tokens <= 1 + r.sample
             assert len(s.block_table) * BS >= end
-            for pos in range(s.num_computed_tokens):  # the context it attends to is its own
+            for pos in range(r.start):  # the context it attends to is its own
                 assert self.kv.get((s.block_table[pos // BS], pos % BS)) == s.token_ids[pos]
         for s in out.preempted:
             assert s.status is SequenceStatus.WAITING and s.block_table == []
@@ -102,8 +124,8 @@ class Harness:
         for _ in range(max_steps):
             if not self.sched.has_unfinished():
                 return self.finished
-            out, _ = self.step(**kw)
-            assert not out.is_empty or out.preempted, "no progress"
+            out, done = self.step(**kw)
+            assert not out.is_empty or out.preempted or done, "no progress"
         raise AssertionError("did not finish")
 
 
@@ -118,8 +140,20 @@ def harnesses() -> Iterator[list[Harness]]:
 
 @pytest.fixture
 def harness(make_config, harnesses) -> Callable[..., Harness]:
+    """Step-by-step expectations: the synchronous loop only."""
     def make(eos: tuple[int, ...] = (EOS,), **kw: object) -> Harness:
         h = Harness(make_config(**kw), eos)
+        harnesses.append(h)
+        return h
+
+    return make
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def any_harness(request, make_config, harnesses) -> Callable[..., Harness]:
+    """Outcome-only expectations: both the synchronous and the overlapped loop."""
+    def make(eos: tuple[int, ...] = (EOS,), **kw: object) -> Harness:
+        h = Harness(make_config(**kw), eos, overlap=request.param)
         harnesses.append(h)
         return h
 
@@ -132,16 +166,13 @@ def prompt(n: int, start: int = 100) -> list[int]:
 
 def expected_output(seq: Sequence, n: int) -> list[int]:
     """Plain replay of next_token for n tokens from seq's prompt."""
-    ref = Sequence(seq.seq_id, seq.prompt_token_ids, SamplingParams())
-    for _ in range(n):
-        ref.append_token(next_token(ref))
-    return ref.output_token_ids
+    return [next_token(seq, i) for i in range(n)]
 
 
 # -- budget, order, chunking -----------------------------------------------------------------
 
-def test_budget_and_seq_cap_respected(harness) -> None:
-    h = harness(max_num_batched_tokens=16, max_num_seqs=3)
+def test_budget_and_seq_cap_respected(any_harness) -> None:
+    h = any_harness(max_num_batched_tokens=16, max_num_seqs=3)
     seqs = [h.add(prompt(7, 100 + 10 * i), max_tokens=5, ignore_eos=True) for i in range(10)]
     saw_full_budget = False
     while h.sched.has_unfinished():
@@ -245,8 +276,8 @@ def test_sequence_preempts_itself_when_it_is_the_newest(harness) -> None:
     assert [s.num_preemptions for s in seqs] == [0, 0, 1]
 
 
-def test_lone_sequence_of_max_model_len_finishes_in_minimal_cache(harness) -> None:
-    h = harness(max_num_batched_tokens=5, num_kv_blocks=10, max_model_len=40)
+def test_lone_sequence_of_max_model_len_finishes_in_minimal_cache(any_harness) -> None:
+    h = any_harness(max_num_batched_tokens=5, num_kv_blocks=10, max_model_len=40)
     s = h.add(prompt(23), max_tokens=100, ignore_eos=True)
     h.run()
     assert s.num_tokens == 40 and s.finish_reason == "length"
@@ -273,45 +304,45 @@ def test_abort_frees_blocks_at_once(harness) -> None:
     out = h.sched.schedule()  # aborted between schedule and postprocess: row skipped
     assert h.sched.abort(a.seq_id) is a and h.bm.all_free()
     tokens, computed = list(a.token_ids), a.num_computed_tokens
-    assert h.sched.postprocess(out, [next_token(a)]) == []
+    assert h.sched.postprocess(out, [next_token(a, out.scheduled[0].output_index)]) == []
     assert (a.token_ids, a.num_computed_tokens, a.finish_reason) == (tokens, computed, "abort")
     assert not h.sched.has_unfinished()
 
 
 # -- stop conditions -------------------------------------------------------------------------
 
-def scripted(outputs: dict[str, list[int]]) -> Callable[[Sequence], int]:
-    return lambda seq: outputs[seq.seq_id][seq.num_output_tokens]
+def scripted(outputs: dict[str, list[int]]) -> TokenFn:
+    return lambda seq, index: outputs[seq.seq_id][index]
 
 
-def test_eos_stops_and_is_kept(harness) -> None:
-    h = harness()
+def test_eos_stops_and_is_kept(any_harness) -> None:
+    h = any_harness()
     s = h.add(prompt(5), seq_id="x", max_tokens=10)
     h.run(tokens=scripted({"x": [11, 12, EOS, 13]}))
     assert s.output_token_ids == [11, 12, EOS]
     assert (s.finish_reason, s.stop_reason) == ("stop", None)
 
 
-def test_ignore_eos(harness) -> None:
-    h = harness()
+def test_ignore_eos(any_harness) -> None:
+    h = any_harness()
     s = h.add(prompt(5), seq_id="x", max_tokens=4, ignore_eos=True)
     h.run(tokens=scripted({"x": [EOS, EOS, 11, EOS]}))
     assert s.output_token_ids == [EOS, EOS, 11, EOS] and s.finish_reason == "length"
 
 
-def test_stop_token_ids_set_stop_reason(harness) -> None:
-    h = harness(eos=(EOS, 1001))
+def test_stop_token_ids_set_stop_reason(any_harness) -> None:
+    h = any_harness(eos=(EOS, 1001))
     s = h.add(prompt(5), seq_id="x", max_tokens=10, stop_token_ids=[1000], ignore_eos=True)
     t = h.add(prompt(5), seq_id="y", max_tokens=10, stop_token_ids=[1001])
-    h.run(tokens=scripted({"x": [11, EOS, 1000, 12], "y": [1001]}))
+    h.run(tokens=scripted({"x": [11, EOS, 1000, 12], "y": [1001, 11]}))
     assert s.output_token_ids == [11, EOS, 1000]
     assert (s.finish_reason, s.stop_reason) == ("stop", 1000)
     # a token that is both eos and a stop token reports the stop token
     assert (t.finish_reason, t.stop_reason) == ("stop", 1001)
 
 
-def test_min_tokens_defers_eos_and_stop_tokens(harness) -> None:
-    h = harness()
+def test_min_tokens_defers_eos_and_stop_tokens(any_harness) -> None:
+    h = any_harness()
     s = h.add(prompt(5), seq_id="x", max_tokens=10, min_tokens=3)
     t = h.add(prompt(5), seq_id="y", max_tokens=10, min_tokens=2, stop_token_ids=[1000])
     h.run(tokens=scripted({"x": [EOS, EOS, EOS, 11], "y": [1000, 1000, 11]}))
@@ -319,8 +350,8 @@ def test_min_tokens_defers_eos_and_stop_tokens(harness) -> None:
     assert t.output_token_ids == [1000, 1000] and t.stop_reason == 1000
 
 
-def test_max_tokens_and_max_model_len(harness) -> None:
-    h = harness(max_model_len=16, num_kv_blocks=4)
+def test_max_tokens_and_max_model_len(any_harness) -> None:
+    h = any_harness(max_model_len=16, num_kv_blocks=4)
     s = h.add(prompt(5), max_tokens=3)
     t = h.add(prompt(13, 300), max_tokens=100)
     u = h.add(prompt(16, 400), max_tokens=100)  # a full-length prompt still gets one token
@@ -340,7 +371,7 @@ def test_postprocess_checks_sampled_rows(harness) -> None:
         h.sched.postprocess(out, [5])
     with pytest.raises(ValueError, match="sampled tokens for"):
         h.sched.postprocess(out, [])
-    assert s.num_computed_tokens == 0  # nothing applied
+    assert s.num_tokens == 6 and s.num_pending_tokens == 0  # nothing applied
     h.write_kv(out)
     h.sched.postprocess(out, [None])
     h.run()
@@ -372,9 +403,9 @@ def test_add_rejects_duplicate_ids(harness) -> None:
     h.run()
 
 
-def test_random_workload_with_preemption_and_aborts(harness) -> None:
+def test_random_workload_with_preemption_and_aborts(any_harness) -> None:
     rng = random.Random(1)
-    h = harness(max_num_batched_tokens=24, max_num_seqs=5, num_kv_blocks=14, max_model_len=48)
+    h = any_harness(max_num_batched_tokens=24, max_num_seqs=5, num_kv_blocks=14, max_model_len=48)
     shared = [rng.randrange(10, 900) for _ in range(16)]
     limits: dict[str, int] = {}
     aborted: set[str] = set()

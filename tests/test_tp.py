@@ -90,7 +90,7 @@ def _check_mirror(batch, mirrored) -> None:
         seq, m = item.seq, got.seq
         assert m.token_ids == seq.token_ids, seq.seq_id
         assert m.block_table == seq.block_table, seq.seq_id
-        assert m.num_computed_tokens == seq.num_computed_tokens, seq.seq_id
+        assert m.num_computed_tokens == got.start == item.start, seq.seq_id
         assert (got.num_new_tokens, got.sample) == (item.num_new_tokens, item.sample)
 
 
@@ -142,14 +142,16 @@ def test_worker_mirror_follows_the_scheduler(make_config):
 
 def _first_step(seq: Sequence, num_new: int) -> tuple[StepEncoder, list]:
     encoder = StepEncoder()
-    step = [ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)]
+    step = [ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens,
+                         seq.num_computed_tokens)]
     mirror = finish_step(decode_step(encoder.encode(step), []))
     seq.num_computed_tokens += num_new
     return encoder, mirror
 
 
 def _next_step_mirrors(encoder: StepEncoder, mirror: list, seq: Sequence) -> None:
-    step = [ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, True)]
+    step = [ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, True,
+                         seq.num_computed_tokens)]
     _check_mirror(step, decode_step(encoder.encode(step), mirror))
 
 

@@ -53,6 +53,26 @@ def test_cuda_graphs_equal_eager(tiny_model_dir):
     assert results[0] == results[1]
 
 
+def test_async_scheduling_equals_synchronous_on_the_device(tiny_model_dir):
+    """Step N+1 reads step N's tokens on the device, launched before the host saw them:
+    the same tokens as the synchronous loop, with graphs, sampling and a small cache."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(40, vocab, seed=5)
+    params = [SamplingParams(temperature=0.8 if i % 3 else 0, seed=i, max_tokens=8 + i % 17,
+                             ignore_eos=True, logprobs=1 if i % 5 == 0 else None)
+              for i in range(len(prompts))]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_block_size=16,
+                  num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=256,
+                  async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([o.token_ids for o in outs])
+        assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+        del llm
+    assert results[0] == results[1]
+
+
 @pytest.fixture(scope="module")
 def qwen3_06b_dir(tmp_path_factory):
     """Qwen3-0.6B shape with transformers' own random init (std 0.02), saved in bf16."""
@@ -92,7 +112,7 @@ def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
         bm.allocate(seq, len(p))
         try:
             with torch.inference_mode():
-                ids, pos, meta, _ = runner.prepare_inputs([ScheduledSeq(seq, len(p), True)])
+                ids, pos, meta, _ = runner.prepare_inputs([ScheduledSeq(seq, len(p), True, 0)])
                 hidden = runner.model(ids, pos, meta)
                 ours.append(runner.model.compute_logits(hidden).argmax(-1))
         finally:

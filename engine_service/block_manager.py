@@ -114,6 +114,8 @@ class BlockManager:
         hash needs that token."""
         bs = self.block_size
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
+        if num_full <= seq.num_hashed_blocks:
+            return  # most steps: no block filled up
         num_full = min(num_full, len(seq.block_table))
         stored: list[int] = []
         for i in range(seq.num_hashed_blocks, num_full):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine_service.model_runner import LaunchedStep, StepResult
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: the tokens it added, and on the last
     output of a request its finish reason and token counts."""
@@ -163,18 +163,14 @@ class LLMEngine:
         for item, token, lp in zip(sched.scheduled, result.token_ids, result.logprobs,
                                    strict=True):
             seq = item.seq
-            if seq.seq_id not in finished and (token is None or seq.is_finished):
+            done = seq.seq_id in finished
+            if not done and (token is None or seq.is_finished):
                 continue  # a mid-prompt chunk, or a row of an aborted / stopped sequence
+            # Positional: this runs for every row of every step.
             outputs.append(RequestOutput(
-                request_id=seq.seq_id,
-                new_token_ids=[] if token is None else [token],
-                new_logprobs=[] if token is None else [lp],
-                finished=seq.seq_id in finished,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
-                num_output_tokens=seq.num_output_tokens))
+                seq.seq_id, [] if token is None else [token], [] if token is None else [lp],
+                done, seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
+                seq.num_cached_tokens, seq.num_output_tokens))
         return outputs
 
     # ---------------------------------------------------------------- KV events / load

@@ -12,7 +12,7 @@ from engine_service.config import EngineConfig
 from engine_service.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # computed this step: positions start .. start + num_new_tokens - 1
@@ -141,6 +141,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             want = min(seq.num_uncomputed_tokens, budget)
+            if want == 1 and seq.num_computed_tokens < len(seq.block_table) * bm.block_size:
+                rows[seq.seq_id] = self._row(seq, 1)  # its last block has room: no allocation
+                budget -= 1
+                continue
             while True:
                 num_new = min(want, self._num_fitting_tokens(seq))
                 if num_new > 0:

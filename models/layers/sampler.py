@@ -164,8 +164,10 @@ class SamplingTensors:
         any_penalty = any(r != 1.0 or p != 0.0 or f != 0.0
                           for r, p, f in zip(reps, pres, freqs, strict=True))
 
-        floats = to_device([temps, top_ps, min_ps, reps, pres, freqs], torch.float32, device)
-        ints = to_device([top_ks, list(seeds), list(steps)], torch.int64, device)
+        # One flat list each: the array-backed copy is much faster than nested lists.
+        floats = to_device(temps + top_ps + min_ps + reps + pres + freqs, torch.float32,
+                           device).view(6, b)
+        ints = to_device(top_ks + list(seeds) + list(steps), torch.int64, device).view(3, b)
 
         prompt_mask = output_counts = None
         if any_penalty:

@@ -155,6 +155,7 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.vocab_size = self.model_config.vocab_size
+        self.sampler.warm_up(self.vocab_size, self.dtype, self.device)
         # The last launched step's sampled tokens, by sequence: a pending input token of the
         # next step is read from here (async scheduling).
         self._prev_sampled: torch.Tensor | None = None  # [num_rows] int64
@@ -162,6 +163,8 @@ class ModelRunner:
 
         self.num_kv_blocks = agree_on_num_kv_blocks(self._decide_num_kv_blocks(), self.device)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        if self.device.type == "cuda":
+            self._warm_up()
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine_service.cuda_graphs import CudaGraphRunner
@@ -237,6 +240,36 @@ class ModelRunner:
         del hidden
         torch.cuda.empty_cache()
         return max(0, int(budget))
+
+    # (query lens, context lens) of the warm-up batches: short and long chunks, with and
+    # without cached context, one and many rows, decode rows mixed with a prefill chunk.
+    _WARM_UP_BATCHES = (([5], [5]), ([12], [600]), ([200], [200]), ([300], [1100]),
+                        ([100] * 64, [100] * 64), ([1] * 8 + [100], [700] * 8 + [100]))
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile now what the first requests would otherwise wait for: torch.compile's
+        dynamic-shape kernels (its second distinct shape recompiles) and the attention
+        kernel's prefill launch variants. Writes KV into scratch blocks no sequence owns
+        yet; every block is written before it is read once allocated."""
+        for query_lens, seq_lens in self._WARM_UP_BATCHES:
+            seq_lens = [min(n, self.config.max_model_len) for n in seq_lens]
+            query_lens = [min(q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
+            blocks_per_seq = -(-max(seq_lens) // self.block_size)
+            if blocks_per_seq * len(seq_lens) > self.num_kv_blocks or \
+                    sum(query_lens) > self.config.max_num_batched_tokens:
+                continue
+            tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+                      for i in range(len(seq_lens))]
+            meta = make_attention_metadata(query_lens, seq_lens, tables, self.block_size,
+                                           self.device)
+            positions = torch.cat([torch.arange(n - q, n, device=self.device)
+                                   for q, n in zip(query_lens, seq_lens, strict=True)])
+            input_ids = torch.zeros_like(positions)
+            hidden = self.model(input_ids, positions, meta)
+            self.model.compute_logits(hidden[meta.cu_seqlens_q[1:] - 1])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]

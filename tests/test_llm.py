@@ -229,3 +229,12 @@ def test_async_scheduling_overlaps_and_matches_the_synchronous_loop(tiny_model_d
     # launch N+1 came before result N, except while a penalty row needed a drain
     assert len(launched) - 1 <= len(overlapped) <= len(launched)  # the last may be all waste
     assert sum(overlapped) > len(overlapped) // 2, overlapped
+
+
+def test_warm_up_scratch_writes_do_not_leak_into_outputs(tiny_model_dir, reference, vocab):
+    """The GPU start-up warm-up writes KV into blocks nobody owns yet; requests served
+    afterwards (which get those blocks) must be unaffected."""
+    llm = make_llm(tiny_model_dir, kv_block_size=4, num_kv_blocks=600, max_model_len=256)
+    llm.engine.model_runner._warm_up()
+    assert llm.engine.model_runner.kv_cache[:, :, :8].abs().sum() > 0, "warm-up wrote nothing"
+    check_against_hf(llm, make_prompts(6, vocab, seed=31), reference)

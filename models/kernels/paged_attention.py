@@ -35,7 +35,9 @@ MIN_SPLIT_CONTEXT = 1024
 _NEG_BIG = tl.constexpr(-1.0e30)
 
 
-@triton.jit
+# Per-step ints are not specialised on (== 1, divisible by 16): each new combination would
+# be a fresh compile in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_base", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     ws_acc_ptr, ws_max_ptr, ws_sum_ptr,

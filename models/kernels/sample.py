@@ -38,6 +38,10 @@ NUM_WARPS = 4
 # Programs to aim for per SM (about one resident wave at ~100 registers a thread): the hash
 # is ALU-bound, so more splits would only add partials.
 PROGRAMS_PER_SM = 4
+# The combine kernel's width. One fixed width (and no specialisation on the sizes below)
+# keeps it to one compiled variant per logits dtype: the batch size changes every few steps,
+# and a fresh Triton compile in the middle of serving costs ~0.5 s.
+MAX_SPLITS = 256
 
 
 @triton.jit
@@ -48,7 +52,7 @@ def _mix64(z):
     return z ^ (z >> 31)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["vocab_size", "stride_row", "chunk", "num_splits"])
 def _race_partial_kernel(
     logits_ptr, temps_ptr, seeds_ptr, steps_ptr, part_val_ptr, part_idx_ptr,
     vocab_size, stride_row, chunk, num_splits,
@@ -93,7 +97,7 @@ def _race_partial_kernel(
     tl.store(part_idx_ptr + row * num_splits + split, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_val_ptr, part_idx_ptr, tokens_ptr, num_splits,
                     SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -113,7 +117,8 @@ def choose_splits(num_rows: int, vocab_size: int, num_sms: int, block: int = BLO
     (B = 1) still spreads its 152k entries over the whole GPU; never more than one chunk per
     tile."""
     target = PROGRAMS_PER_SM * num_sms
-    return max(1, min(triton.cdiv(target, max(num_rows, 1)), triton.cdiv(vocab_size, block)))
+    tiles = triton.cdiv(vocab_size, block)
+    return max(1, min(triton.cdiv(target, max(num_rows, 1)), tiles, MAX_SPLITS))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -149,6 +154,7 @@ def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     seeds, steps = seeds.contiguous(), steps.contiguous()
     if num_splits is None:
         num_splits = choose_splits(num_rows, vocab_size, _num_sms(logits.device), block)
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]"
     # Chunks are whole tiles so only the row's last tile is ragged.
     chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block) * block
     part_val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
@@ -159,5 +165,5 @@ def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
         BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS,
     )
     _combine_kernel[(num_rows,)](part_val, part_idx, tokens, num_splits,
-                                 SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1)
+                                 SPLITS_PAD=MAX_SPLITS, num_warps=1)
     return tokens

@@ -287,6 +287,18 @@ class Sampler(nn.Module):
         super().__init__()
         self.use_kernel = use_kernel
 
+    def warm_up(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile the draw kernel for the model's logits and for float32 ones (the penalty
+        and mask paths) now, not in the first steps that serve requests."""
+        if not (self.use_kernel and device.type == "cuda" and _triton_installed()):
+            return
+        from models.kernels.sample import race_argmax
+
+        ones = torch.ones(1, dtype=torch.int64, device=device)
+        for logits_dtype in {dtype, torch.float32}:
+            logits = torch.zeros(1, vocab_size, dtype=logits_dtype, device=device)
+            race_argmax(logits, ones.float(), ones, ones)
+
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         kernel = self.use_kernel and logits.is_cuda and _triton_installed()
         if kernel and _temperature_only(t):

@@ -51,7 +51,7 @@ def nanoserve(*args: str) -> list[str]:
 def stage_tests(args) -> None:
     text = sh("gpu_tests", [sys.executable, "-m", "pytest", "-q", "tests/gpu",
                             "-p", "no:cacheprovider", *args.pytest_args], timeout=540)
-    m = re.search(r"(\d+ passed[^\n]*)", text)
+    m = re.search(r"((\d+ failed, )?\d+ passed[^\n]*)", text)
     ROWS.append(("tests/gpu", m.group(1) if m else "FAILED (see gpu_tests.log)", "pytest"))
     agree = re.search(r"argmax agreement: ([\d.]+)", text)
     if agree:

@@ -1,7 +1,7 @@
 """The fused race-sampling kernel (models/kernels/sample.py) on CPU, under TRITON_INTERPRET=1.
 
-Like tests/test_triton_interpret.py, the interpreter must be on before triton is first
-imported, so the checks run this file as a script in a fresh subprocess. Reference: the torch
+The interpreter must be on before triton is first imported, so the checks run this file as
+a script in a fresh subprocess (tests/interpret.py). Reference: the torch
 path of the sampler, `race_perturbed(logits / T, seeds, steps).argmax(-1)` for sampled rows
 and `logits.argmax(-1)` for greedy rows, plus softmax(logits / T) for the draw frequencies.
 """
@@ -9,15 +9,11 @@ and `logits.argmax(-1)` for greedy rows, plus softmax(logits / T) for the draw f
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
 
-from tests.test_triton_interpret import REPO, _assert_ok
+from tests.interpret import assert_check_passed, run_checks, run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -55,37 +51,19 @@ def assert_tokens_match(got: torch.Tensor, ref: torch.Tensor, near: torch.Tensor
     return int(near.sum())
 
 
+# "near_ties" runs last: the rows of every check before it count there.
+CHECKS = ["reference", "launches", "edges", "distribution", "sampler", "near_ties"]
+
+
 @pytest.fixture(scope="module")
 def interpreter_run() -> str:
-    """One interpreter subprocess runs every check (start-up is slow)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=280)
-    return f"{proc.stdout}\n{proc.stderr}"
+    """One interpreter subprocess runs every check."""
+    return run_interpreted(__file__)
 
 
-def test_draws_match_torch_reference_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "reference")
-
-
-def test_tokens_independent_of_launch_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "launches")
-
-
-def test_nan_and_empty_inputs_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "edges")
-
-
-def test_draw_frequencies_match_softmax_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "distribution")
-
-
-def test_sampler_kernel_draw_matches_torch_path_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "sampler")
-
-
-def test_near_ties_are_rare_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "near_ties")
+@pytest.mark.parametrize("check", CHECKS)
+def test_sample_kernel_check_interpreted(interpreter_run: str, check: str) -> None:
+    assert_check_passed(interpreter_run, check)
 
 
 # --------------------------------------------------------------------------- subprocess side
@@ -108,7 +86,6 @@ def _inputs(num_rows: int, vocab: int, gen: torch.Generator
 
 
 def _main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
     from models.kernels.sample import race_argmax
 
     gen = torch.Generator().manual_seed(1234)
@@ -231,18 +208,9 @@ def _main() -> None:
         assert counts["rows"] > 200, counts
         assert counts["near"] < 0.01 * counts["rows"], counts
 
-    failed = False
-    for name, fn in [("reference", check_reference), ("launches", check_launches),
-                     ("edges", check_edges), ("distribution", check_distribution),
-                     ("sampler", check_sampler),
-                     ("near_ties", check_near_ties)]:
-        try:
-            fn()
-            print(f"OK {name}", flush=True)
-        except Exception:  # report every check, fail the process at the end
-            failed = True
-            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
-    sys.exit(1 if failed else 0)
+    run_checks(list(zip(CHECKS, [check_reference, check_launches, check_edges,
+                                 check_distribution, check_sampler, check_near_ties],
+                        strict=True)))
 
 
 if __name__ == "__main__":

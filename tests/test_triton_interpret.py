@@ -1,57 +1,41 @@
 """The Triton KV-store and paged-attention kernels on CPU, under TRITON_INTERPRET=1.
 
-The interpreter must be switched on before triton is first imported, so each check runs
-this file as a script in a fresh subprocess. Reference: dense float64 attention over the
-per-row keys/values the test generated (never read back from the cache).
+The interpreter must be switched on before triton is first imported, so the checks run
+this file as a script in a fresh subprocess (tests/interpret.py). Reference: dense float64
+attention over the per-row keys/values the test generated (never read back from the cache).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.interpret import assert_check_passed, run_checks, run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 
+CHECKS = ["store_kv", "backend", "launches"]
+
+
 @pytest.fixture(scope="module", params=[4, 16], ids=lambda bs: f"block_size={bs}")
 def interpreter_run(request: pytest.FixtureRequest) -> str:
-    """One interpreter subprocess per block size runs every check (start-up is slow)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, str(request.param)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=280)
-    return f"{proc.stdout}\n{proc.stderr}"
+    """One interpreter subprocess per block size runs every check."""
+    return run_interpreted(__file__, str(request.param))
 
 
-def _assert_ok(output: str, check: str) -> None:
-    assert f"OK {check}\n" in output, f"check {check!r} did not pass:\n{output}"
-
-
-def test_store_kv_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "store_kv")
-
-
-def test_backend_mixed_batch_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "backend")
-
-
-def test_kernel_launch_variants_interpreted(interpreter_run: str) -> None:
-    _assert_ok(interpreter_run, "launches")
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_check_interpreted(interpreter_run: str, check: str) -> None:
+    assert_check_passed(interpreter_run, check)
 
 
 # --------------------------------------------------------------------------- subprocess side
 
 
 def _main(block_size: int) -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
 
     from models.attention_metadata import make_attention_metadata
@@ -153,16 +137,7 @@ def _main(block_size: int) -> None:
                             meta.block_tables, dim**-0.5, launch, out=out, workspace=workspace)
             err = rel_err(out, ref, meta)
             assert err < 1e-4, (block_q, block_n, splits, err)
-    failed = False
-    for name, check in [("store_kv", check_store_kv), ("backend", check_backend),
-                        ("launches", check_launches)]:
-        try:
-            check()
-            print(f"OK {name}", flush=True)
-        except Exception:  # report every check, fail the process at the end
-            failed = True
-            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
-    sys.exit(1 if failed else 0)
+    run_checks(list(zip(CHECKS, [check_store_kv, check_backend, check_launches], strict=True)))
 
 
 if __name__ == "__main__":

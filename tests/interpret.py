@@ -1,0 +1,45 @@
+"""Running Triton kernels under TRITON_INTERPRET=1 from pytest.
+
+The interpreter must be on before triton is first imported, so a test file runs itself as a
+script in a fresh subprocess: the script side runs every named check and prints "OK name" or
+"FAIL name" with the traceback; the pytest side asserts one check per test. No torch or triton
+import here: the parent process may already have triton loaded without the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_interpreted(script: str, *args: str) -> str:
+    """Output of `python script *args` with the interpreter on (start-up is slow: one
+    subprocess runs all of a file's checks)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, script, *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=280)
+    return f"{proc.stdout}\n{proc.stderr}"
+
+
+def assert_check_passed(output: str, check: str) -> None:
+    assert f"OK {check}\n" in output, f"check {check!r} did not pass:\n{output}"
+
+
+def run_checks(checks: list[tuple[str, Callable[[], None]]]) -> None:
+    """Script side: run every check, report each, exit 1 if any failed."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    failed = False
+    for name, check in checks:
+        try:
+            check()
+            print(f"OK {name}", flush=True)
+        except Exception:  # report every check, fail the process at the end
+            failed = True
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+    sys.exit(1 if failed else 0)

@@ -73,24 +73,20 @@ class BlockManager:
         return len(self._cache_hits(seq)) * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        revived, fresh = self._blocks_needed(seq, num_new_tokens)
-        return revived + fresh <= len(self.free_blocks)
+        _, _, take = self._plan(seq, num_new_tokens)
+        return take <= len(self.free_blocks)
 
     # -- mutations -------------------------------------------------------------------------
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make seq.block_table cover num_computed_tokens + num_new_tokens (after cache hits
         for a sequence without blocks). Raises RuntimeError, changing nothing, if it cannot."""
-        if seq.block_table:
-            hits, computed = [], seq.num_computed_tokens
-        else:
-            hits = self._cache_hits(seq)
-            computed = len(hits) * self.block_size
+        hits, computed, take = self._plan(seq, num_new_tokens)
         total = seq.num_tokens + seq.num_pending_tokens
         if num_new_tokens < 1 or computed + num_new_tokens > total:
             raise ValueError(f"cannot allocate {num_new_tokens} new tokens for {seq.seq_id!r}: "
                              f"{computed} of its {total} tokens are computed")
-        if not self.can_allocate(seq, num_new_tokens):
+        if take > len(self.free_blocks):
             raise RuntimeError(f"not enough free KV blocks for {num_new_tokens} tokens of "
                                f"{seq.seq_id!r} ({len(self.free_blocks)} free)")
         if not seq.block_table:
@@ -193,16 +189,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
-        """(cached free blocks a hit would revive, fresh blocks) to take from the free list."""
+    def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], int, int]:
+        """(cache hits to take, tokens computed after them, blocks to take from the free
+        list: cached free blocks a hit revives plus fresh ones). Hits only for a sequence
+        without blocks; one lookup serves both the check and the allocation."""
         if seq.block_table:
-            have, revived, computed = len(seq.block_table), 0, seq.num_computed_tokens
+            hits, have, computed = [], len(seq.block_table), seq.num_computed_tokens
+            revived = 0
         else:
             hits = self._cache_hits(seq)
             have, computed = len(hits), len(hits) * self.block_size
             revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         need = -(-(computed + num_new_tokens) // self.block_size)
-        return revived, max(0, need - have)
+        return hits, computed, revived + max(0, need - have)
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

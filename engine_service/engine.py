@@ -83,7 +83,6 @@ class LLMEngine:
         # Tensor-parallel workers take input tokens from the host, so they step in lockstep.
         self._async = config.async_scheduling and config.tensor_parallel_size == 1
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        self._wait_seconds = 0.0
 
     # ---------------------------------------------------------------- requests
 
@@ -121,10 +120,11 @@ class LLMEngine:
         Otherwise (or when a sampling penalty needs a pending token on the host) each step
         finishes in the call that launched it."""
         t0 = time.perf_counter()
-        self._wait_seconds = 0.0
+        finished: list[LaunchedStep] = []  # steps read back in this call
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and not self._can_overlap():
             outputs += self._finish(self._in_flight)
+            finished.append(self._in_flight[1])
             self._in_flight = None
         sched = self.scheduler.schedule()
         launched = None
@@ -137,11 +137,13 @@ class LLMEngine:
                 outputs += self._postprocess(sched, result)
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)
+            finished.append(self._in_flight[1])
         self._in_flight = launched
         if not sched.is_empty:
             prefill = sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
             self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
-                                        time.perf_counter() - t0, self._wait_seconds)
+                                        time.perf_counter() - t0,
+                                        sum(f.wait_seconds for f in finished))
             self.total_stats.add(self.last_stats)
         return outputs
 
@@ -152,10 +154,7 @@ class LLMEngine:
 
     def _finish(self, in_flight: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
         sched, launched = in_flight
-        t0 = time.perf_counter()
-        result = launched.result()
-        self._wait_seconds += time.perf_counter() - t0
-        return self._postprocess(sched, result)
+        return self._postprocess(sched, launched.result())
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids)}

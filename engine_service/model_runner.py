@@ -4,6 +4,7 @@ batch into flat tensors, runs the forward pass and samples on the device."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ class LaunchedStep:
 
     def __init__(self, batch: list[ScheduledSeq], out: SamplerOutput | None) -> None:
         self.batch = batch
+        self.wait_seconds = 0.0  # how long result() blocked on the device
         self._host: dict[str, torch.Tensor] = {}
         self._done: torch.cuda.Event | None = None
         if out is None:
@@ -64,7 +66,9 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         if self._done is not None:
+            t0 = time.perf_counter()
             self._done.synchronize()  # the one host synchronisation of the step
+            self.wait_seconds = time.perf_counter() - t0
         batch = self.batch
         if not self._host:
             return StepResult([None] * len(batch), [None] * len(batch))

@@ -25,4 +25,4 @@ def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`; a pinned, non-blocking copy for CUDA."""
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device, copy=True)
+    return t.to(device)

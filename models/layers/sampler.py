@@ -12,6 +12,7 @@ change a draw only where two perturbed logits tie to within that rounding.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Sequence
@@ -258,8 +259,9 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < max_logit + min_ps.log()[:, None], -math.inf)
 
 
+@functools.cache
 def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return importlib.util.find_spec("triton") is not None  # asked every step: cached
 
 
 def _temperature_only(t: SamplingTensors) -> bool:

@@ -66,10 +66,10 @@ def stage_offline(args, name: str = "offline", extra: tuple[str, ...] = ()) -> N
     ROWS.append((label, f"{m.group(1)} tok/s" if m else "FAILED",
                  ">= 24,000 (nano-vllm 20,400)"))
     m = re.search(r"(\d+) steps; host busy ([\d.]+) s \(([\d.]+) ms/step\), waiting on the "
-                  r"device ([\d.]+) s", text)
-    if m and not extra:
-        ROWS.append(("  of which host busy / waiting on device",
-                     f"{m.group(2)} s ({m.group(3)} ms/step) / {m.group(4)} s",
+                  r"device ([\d.]+) s, device busy ([\d.]+) s", text)
+    if m:
+        ROWS.append(("  host busy / waiting on device / device busy",
+                     f"{m.group(2)} s ({m.group(3)} ms/step) / {m.group(4)} s / {m.group(5)} s",
                      f"{m.group(1)} steps"))
 
 
@@ -79,9 +79,29 @@ def stage_offline_sync(args) -> None:
 
 
 def stage_profile(args) -> None:
-    """Host profile and kernel table of decode steps at batch 256 (log only)."""
-    sh("profile_b256", [sys.executable, "-m", "benchmarks.profile_decode", "--model",
-                        args.model, "--batch", "256", "--steps", "64"], timeout=300)
+    """Host profile and kernel table of decode steps at batch 256 and 1 (logs only)."""
+    for batch, steps in ((256, 64), (1, 256)):
+        text = sh(f"profile_b{batch}", [sys.executable, "-m", "benchmarks.profile_decode",
+                                        "--model", args.model, "--batch", str(batch),
+                                        "--steps", str(steps)], timeout=300)
+        m = re.search(r"= ([\d.]+) ms/step", text)
+        ROWS.append((f"profile: batch {batch} decode step", f"{m.group(1)} ms" if m else
+                     "FAILED", f"profile_b{batch}.log"))
+
+
+def stage_profile_tp(args) -> None:
+    """Qwen3-8B batch-1 decode profiles at TP=1 and TP=2 (rank 0's kernels; logs only)."""
+    import torch
+
+    for tp in (1, 2):
+        if tp > torch.cuda.device_count():
+            continue
+        text = sh(f"profile_8b_tp{tp}", [sys.executable, "-m", "benchmarks.profile_decode",
+                                         "--model", "qwen3-8b", "--batch", "1", "--steps",
+                                         "128", "--tensor-parallel-size", str(tp)], timeout=300)
+        m = re.search(r"= ([\d.]+) ms/step", text)
+        ROWS.append((f"profile: Qwen3-8B TP={tp} batch 1 step", f"{m.group(1)} ms" if m else
+                     "FAILED", f"profile_8b_tp{tp}.log"))
 
 
 def stage_allreduce(args) -> None:
@@ -165,7 +185,8 @@ def stage_tp(args) -> None:
 
 STAGES = {"tests": stage_tests, "offline": stage_offline, "offline_sync": stage_offline_sync,
           "single": stage_single, "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp,
-          "profile": stage_profile, "allreduce": stage_allreduce}
+          "profile": stage_profile, "profile_tp": stage_profile_tp,
+          "allreduce": stage_allreduce}
 
 
 def main() -> int:

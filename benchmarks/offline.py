@@ -49,8 +49,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"Total: {total} tok, Time: {elapsed:.2f}s, Throughput: {tps:.2f} tok/s")
     busy = stats.seconds - stats.wait_seconds
     print(f"{stats.num_steps} steps; host busy {busy:.2f} s ({busy / stats.num_steps * 1e3:.2f} "
-          f"ms/step), waiting on the device {stats.wait_seconds:.2f} s"
-          + ("" if config.async_scheduling else " (not measured without async scheduling)"))
+          f"ms/step), waiting on the device {stats.wait_seconds:.2f} s, device busy "
+          f"{stats.device_seconds:.2f} s ({stats.device_seconds / stats.num_steps * 1e3:.2f} "
+          f"ms/step)")
     if not args.no_record:
         record("offline throughput (nano-vllm bench workload)", {
             "requests": str(len(reqs)),

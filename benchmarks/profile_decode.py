@@ -1,6 +1,7 @@
 """Where a decode step's time goes: host-side cProfile of decode steps at one batch size,
 then the device's kernels over a few of those steps (torch.profiler, by total device time).
-`python -m benchmarks.profile_decode [--model qwen3-0.6b] [--batch 256] [--steps 256]`."""
+`python -m benchmarks.profile_decode [--model qwen3-0.6b] [--batch 256] [--steps 256]
+[--tensor-parallel-size N]` (with N > 1 the kernel table is rank 0's)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--kernel-steps", type=int, default=8,
                    help="decode steps under torch.profiler (0: skip)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     args = p.parse_args()
     from benchmarks.model_configs import resolve_model
     from engine_service import LLM, SamplingParams
 
     model_dir, preset = resolve_model(args.model)
-    llm = LLM(model_dir, load_format="dummy" if preset else "auto", max_model_len=2048)
+    llm = LLM(model_dir, load_format="dummy" if preset else "auto", max_model_len=2048,
+              tensor_parallel_size=args.tensor_parallel_size)
     prompts = [[(7 * i + j) % 10000 for j in range(args.prompt_len)]
                for i in range(args.batch)]
     sp = SamplingParams(temperature=0.6, max_tokens=args.steps, ignore_eos=True, seed=0)
@@ -42,6 +45,7 @@ def main() -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if args.kernel_steps:
         _kernel_table(llm, prompts, args.kernel_steps)
+    llm.engine.shutdown()
 
 
 def _kernel_table(llm, prompts: list[list[int]], steps: int) -> None:

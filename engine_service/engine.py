@@ -44,6 +44,8 @@ class StepStats:
     seconds: float = 0.0  # the whole call
     # of which the host sat waiting for the device's tokens (async scheduling only)
     wait_seconds: float = 0.0
+    # device time of the steps read back in the call (CUDA only; see LaunchedStep)
+    device_seconds: float = 0.0
     num_steps: int = 1
 
     def add(self, other: StepStats) -> None:
@@ -51,6 +53,7 @@ class StepStats:
         self.num_decode_tokens += other.num_decode_tokens
         self.seconds += other.seconds
         self.wait_seconds += other.wait_seconds
+        self.device_seconds += other.device_seconds
         self.num_steps += other.num_steps
 
 
@@ -133,8 +136,9 @@ class LLMEngine:
                 launched = (sched, self.model_runner.launch(sched.scheduled,
                                                             self.eos_token_ids))
             else:  # tensor parallel or --no-async-scheduling
-                result = self.model_runner.execute(sched.scheduled, self.eos_token_ids)
-                outputs += self._postprocess(sched, result)
+                done = self.model_runner.execute(sched.scheduled, self.eos_token_ids)
+                outputs += self._postprocess(sched, done.result())
+                finished.append(done)
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)
             finished.append(self._in_flight[1])
@@ -143,7 +147,8 @@ class LLMEngine:
             prefill = sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
             self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
                                         time.perf_counter() - t0,
-                                        sum(f.wait_seconds for f in finished))
+                                        sum(f.wait_seconds for f in finished),
+                                        sum(f.device_seconds for f in finished))
             self.total_stats.add(self.last_stats)
         return outputs
 

@@ -42,11 +42,17 @@ class LaunchedStep:
     so the host can launch the next step first (a plain `.tolist()` would also wait for
     everything queued after this step)."""
 
-    def __init__(self, batch: list[ScheduledSeq], out: SamplerOutput | None) -> None:
+    def __init__(self, batch: list[ScheduledSeq], out: SamplerOutput | None,
+                 start: torch.cuda.Event | None = None) -> None:
         self.batch = batch
         self.wait_seconds = 0.0  # how long result() blocked on the device
+        # Device time from the end of the work queued before this step to the end of its
+        # output copy (`start` is recorded when the launch begins): the device's busy time.
+        self.device_seconds = 0.0
+        self._start = start
         self._host: dict[str, torch.Tensor] = {}
         self._done: torch.cuda.Event | None = None
+        self._result: StepResult | None = None
         if out is None:
             return
         fields = {"sampled": out.sampled_token_ids}
@@ -61,14 +67,22 @@ class LaunchedStep:
             else:
                 self._host[name] = t
         if on_cuda:
-            self._done = torch.cuda.Event()
+            self._done = torch.cuda.Event(enable_timing=start is not None)
             self._done.record()
 
     def result(self) -> StepResult:
+        """The step's tokens on the host (waits for them once; later calls return them)."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> StepResult:
         if self._done is not None:
             t0 = time.perf_counter()
             self._done.synchronize()  # the one host synchronisation of the step
             self.wait_seconds = time.perf_counter() - t0
+            if self._start is not None:
+                self.device_seconds = self._start.elapsed_time(self._done) / 1e3
         batch = self.batch
         if not self._host:
             return StepResult([None] * len(batch), [None] * len(batch))
@@ -363,17 +377,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> StepResult:
-        """Run one step and wait for its tokens."""
+    def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
+        """Run one step and wait for its tokens (returned with `.result()`)."""
         if self.tp is None:
-            return self.launch(batch, eos_token_ids).result()
+            step = self.launch(batch, eos_token_ids)
+            step.result()
+            return step
         with self.tp.step(batch):  # sends the step to the workers; a dead rank -> clear error
-            return self.launch(batch, eos_token_ids).result()
+            step = self.launch(batch, eos_token_ids)
+            step.result()
+            return step
 
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device; returns at once (CUDA).
         Tensor-parallel engines go through `execute`: their workers get tokens from the host."""
+        start = None
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         rows = [item for item in batch if item.sample]
         logits = self.run_model(batch)
         if logits is None:
@@ -382,4 +404,4 @@ class ModelRunner:
         out = self.sampler(logits, self.prepare_sampling(rows, eos_token_ids))
         self._prev_sampled = out.sampled_token_ids  # [num_rows], inputs of the next step
         self._prev_sample_rows = {item.seq.seq_id: r for r, item in enumerate(rows)}
-        return LaunchedStep(batch, out)
+        return LaunchedStep(batch, out, start)

@@ -83,8 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.last_stats = StepStats()
         self.total_stats = StepStats(num_steps=0)  # since start; benchmarks reset it
-        # Tensor-parallel workers take input tokens from the host, so they step in lockstep.
-        self._async = config.async_scheduling and config.tensor_parallel_size == 1
+        self._async = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
 
     # ---------------------------------------------------------------- requests
@@ -135,7 +134,7 @@ class LLMEngine:
             if self._async:
                 launched = (sched, self.model_runner.launch(sched.scheduled,
                                                             self.eos_token_ids))
-            else:  # tensor parallel or --no-async-scheduling
+            else:  # --no-async-scheduling
                 done = self.model_runner.execute(sched.scheduled, self.eos_token_ids)
                 outputs += self._postprocess(sched, done.result())
                 finished.append(done)

@@ -3,11 +3,15 @@ batch into flat tensors, runs the forward pass and samples on the device."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from engine_service.config import EngineConfig
 from engine_service.scheduler import ScheduledSeq
@@ -43,8 +47,10 @@ class LaunchedStep:
     everything queued after this step)."""
 
     def __init__(self, batch: list[ScheduledSeq], out: SamplerOutput | None,
-                 start: torch.cuda.Event | None = None) -> None:
+                 start: torch.cuda.Event | None = None,
+                 guard: Callable[[], AbstractContextManager] | None = None) -> None:
         self.batch = batch
+        self._guard = guard or contextlib.nullcontext  # a tensor-parallel step: TPWorkers.guard
         self.wait_seconds = 0.0  # how long result() blocked on the device
         # Device time from the end of the work queued before this step to the end of its
         # output copy (`start` is recorded when the launch begins): the device's busy time.
@@ -79,7 +85,8 @@ class LaunchedStep:
     def _read(self) -> StepResult:
         if self._done is not None:
             t0 = time.perf_counter()
-            self._done.synchronize()  # the one host synchronisation of the step
+            with self._guard():
+                self._done.synchronize()  # the one host synchronisation of the step
             self.wait_seconds = time.perf_counter() - t0
             if self._start is not None:
                 self.device_seconds = self._start.elapsed_time(self._done) / 1e3
@@ -177,7 +184,7 @@ class ModelRunner:
         # The last launched step's sampled tokens, by sequence: a pending input token of the
         # next step is read from here (async scheduling).
         self._prev_sampled: torch.Tensor | None = None  # [num_rows] int64
-        self._prev_sample_rows: dict[str, int] = {}
+        self._prev_sample_rows: dict[str | int, int] = {}  # seq_id -> row
 
         self.num_kv_blocks = agree_on_num_kv_blocks(self._decide_num_kv_blocks(), self.device)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
@@ -376,32 +383,50 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
 
-    @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
         """Run one step and wait for its tokens (returned with `.result()`)."""
-        if self.tp is None:
-            step = self.launch(batch, eos_token_ids)
-            step.result()
-            return step
-        with self.tp.step(batch):  # sends the step to the workers; a dead rank -> clear error
-            step = self.launch(batch, eos_token_ids)
-            step.result()
-            return step
+        step = self.launch(batch, eos_token_ids)
+        step.result()
+        return step
 
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device; returns at once (CUDA).
-        Tensor-parallel engines go through `execute`: their workers get tokens from the host."""
+        A tensor-parallel step is sent to the workers first; a dead rank -> clear error."""
+        if self.tp is None:
+            return self._launch(batch, eos_token_ids)
+        with self.tp.step(batch):
+            return self._launch(batch, eos_token_ids)
+
+    def _launch(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
         start = None
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         rows = [item for item in batch if item.sample]
         logits = self.run_model(batch)
+        guard = self.tp.guard if self.tp is not None else None
         if logits is None:
-            self._prev_sampled, self._prev_sample_rows = None, {}
-            return LaunchedStep(batch, None)
+            self._remember_sampled(rows, None)
+            return LaunchedStep(batch, None, guard=guard)
         out = self.sampler(logits, self.prepare_sampling(rows, eos_token_ids))
-        self._prev_sampled = out.sampled_token_ids  # [num_rows], inputs of the next step
+        if self.tp is not None:
+            dist.broadcast(out.sampled_token_ids, src=0)  # the workers' pending input tokens
+        self._remember_sampled(rows, out.sampled_token_ids)
+        return LaunchedStep(batch, out, start, guard)
+
+    @torch.inference_mode()
+    def replay(self, batch: list[ScheduledSeq]) -> None:
+        """A tensor-parallel worker's step: rank 0's forward pass on this shard, then rank 0's
+        sampled tokens (broadcast on the device) kept for the next step's pending inputs."""
+        self.run_model(batch)  # rank 0 samples; the logits here are dropped
+        rows = [item for item in batch if item.sample]
+        sampled = None
+        if rows:
+            sampled = torch.empty(len(rows), dtype=torch.long, device=self.device)
+            dist.broadcast(sampled, src=0)
+        self._remember_sampled(rows, sampled)
+
+    def _remember_sampled(self, rows: list[ScheduledSeq], sampled: torch.Tensor | None) -> None:
+        self._prev_sampled = sampled  # [num_rows] int64, inputs of the next step
         self._prev_sample_rows = {item.seq.seq_id: r for r, item in enumerate(rows)}
-        return LaunchedStep(batch, out, start)

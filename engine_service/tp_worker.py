@@ -3,7 +3,9 @@
 Rank 0 is the engine's own ModelRunner (in the core process, or in the caller's process for
 the offline LLM); ranks 1..N-1 are processes started here. Each builds a ModelRunner on its
 shard and runs every forward pass rank 0 runs, with the same batch, so the collectives inside
-the model line up; only rank 0 samples.
+the model line up. Only rank 0 samples; it broadcasts the sampled tokens on the device, so a
+worker takes a pending input token (async scheduling: sampled by the previous step, not yet
+on any host) from there exactly as rank 0 does, and no rank waits for the host.
 
 Control channel: one socketpair per worker, one message per step, rank 0 -> worker (a worker
 writes back only "up" at start and its traceback when it fails). A worker keeps a mirror of the
@@ -11,6 +13,9 @@ previous step's rows; a message is a flat int32 array with one record per row of
 
     delta row: [prev_row, num_new_tokens, sample, n_tok, n_blk, *new_tokens, *new_blocks]
     full row:  [-1,       num_new_tokens, sample, n_tok, n_blk, num_computed, *tokens, *blocks]
+
+Tokens are those on rank 0's host when the step is sent; a row's last input token may still
+be pending on the device, and reaches the worker's mirror in a later message.
 
 `prev_row` indexes the previous step's rows. A running sequence goes as a delta (a decode row
 is its one sampled token: 6 ints, 24 bytes, plus 4 more when it crossed into a new block); a
@@ -25,7 +30,8 @@ Failure handling. Rank 0 checks its workers before every step (and the core loop
 idle): a dead rank raises `RuntimeError("tensor-parallel rank N died ...")`. A collective that
 fails because a peer went away (gloo notices at once) is turned into the same error. Where a
 collective would wait forever instead (NCCL), a watchdog thread on rank 0 aborts the process
-group and, if rank 0 is still stuck, exits the process with a logged reason. Workers exit when
+group and, if rank 0 is still stuck, exits the process with a logged reason; rank 0 counts as
+possibly stuck while it launches a step and while it waits for a step's tokens. Workers exit when
 their control pipe closes or their parent process changes (rank 0 died, even by SIGKILL).
 """
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import signal
@@ -79,6 +86,7 @@ UP = b"up"
 class MirrorSeq:
     """A worker's view of one sequence: what prepare_inputs reads, nothing more."""
 
+    seq_id: int  # the worker's own numbering: keys the previous step's sampled rows
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
@@ -136,8 +144,10 @@ def _still_mirrored(sent: _Sent, item: ScheduledSeq) -> bool:
             and seq.block_table[:len(sent.blocks)] == sent.blocks)
 
 
-def decode_step(message: bytes, prev: list[MirrorSeq]) -> list[ScheduledSeq]:
-    """A worker's side: rebuild the batch from a message and the previous step's rows."""
+def decode_step(message: bytes, prev: list[MirrorSeq], ids: Iterator[int]
+                ) -> list[ScheduledSeq]:
+    """A worker's side: rebuild the batch from a message and the previous step's rows; a
+    full row becomes a new MirrorSeq numbered from `ids`."""
     data = array("i")
     data.frombytes(message)
     values = data.tolist()
@@ -149,7 +159,8 @@ def decode_step(message: bytes, prev: list[MirrorSeq]) -> list[ScheduledSeq]:
         if prev_row == FULL_ROW:
             computed = values[i]
             i += 1
-            seq = MirrorSeq(values[i:i + n_tok], computed, values[i + n_tok:i + n_tok + n_blk])
+            seq = MirrorSeq(next(ids), values[i:i + n_tok], computed,
+                            values[i + n_tok:i + n_tok + n_blk])
         else:
             seq = prev[prev_row]
             seq.token_ids.extend(values[i:i + n_tok])
@@ -292,8 +303,7 @@ class TPWorkers:
 
     @contextlib.contextmanager
     def step(self, batch: list[ScheduledSeq]) -> Iterator[None]:
-        """Send the step to every worker, then let rank 0 run it; a dead rank, before or
-        during the step, becomes one clear RuntimeError."""
+        """Send the step to every worker, then let rank 0 launch it (under `guard`)."""
         self.check_alive()
         message = self.encoder.encode(batch)
         for rank, conn in self.controls.items():
@@ -301,6 +311,14 @@ class TPWorkers:
                 conn.send_bytes(message)
             except OSError:
                 raise self._dead_error(rank, "before a step", wait=True) from None
+        with self.guard():
+            yield
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Rank 0 may wait on the workers in here (a collective, or the device finishing a
+        step that holds one): the watchdog looks, and a dead rank becomes one clear
+        RuntimeError."""
         self.live.busy_since = time.monotonic()
         try:
             yield
@@ -478,12 +496,13 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, control: Conne
 @torch.inference_mode()
 def _replay_steps(runner, control: Connection) -> None:
     mirror: list[MirrorSeq] = []
+    ids = itertools.count()
     while True:
         message = control.recv_bytes()
         if not message:
             return
-        batch = decode_step(message, mirror)
-        runner.run_model(batch)  # rank 0 samples; the logits here are dropped
+        batch = decode_step(message, mirror, ids)
+        runner.replay(batch)  # queued on the device; this rank never waits for it
         mirror = finish_step(batch)
 
 

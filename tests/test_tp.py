@@ -3,6 +3,7 @@ identical to TP=1, the engine service at TP=2, and no rank left behind when thin
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -94,9 +95,12 @@ def _check_mirror(batch, mirrored) -> None:
         assert (got.num_new_tokens, got.sample) == (item.num_new_tokens, item.sample)
 
 
-def test_worker_mirror_follows_the_scheduler(make_config):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_worker_mirror_follows_the_scheduler(make_config, overlap):
     """Drive the real scheduler through prefix hits, chunked prefill, preemption, aborts and
-    a reused request id; after every step the worker's rebuilt batch must equal rank 0's."""
+    a reused request id; after every step the worker's rebuilt batch must equal rank 0's.
+    With `overlap` each step is scheduled (and sent) before the previous step's tokens are
+    postprocessed, as async scheduling does: the mirror then lags by the pending token."""
     rng = random.Random(0)
     config = make_config(kv_block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
                          max_model_len=128)
@@ -112,22 +116,35 @@ def test_worker_mirror_follows_the_scheduler(make_config):
         sched.add(seq)
         return seq
 
-    for i in range(10):
-        add(f"r{i}")
-    encoder, mirror = StepEncoder(), []
-    seen = dict(preempted=0, hits=0, reused=0, steps=0)
-    next_id = 10
-    while sched.has_unfinished():
-        out = sched.schedule()
-        seen["preempted"] += len(out.preempted)
-        if out.is_empty:
-            continue
-        batch = decode_step(encoder.encode(out.scheduled), mirror)
-        _check_mirror(out.scheduled, batch)
-        seen["hits"] += sum(1 for s in out.scheduled if s.seq.num_cached_tokens > 0)
-        mirror = finish_step(batch)
+    def finish(out) -> None:
         sched.postprocess(out, [rng.randrange(300) if s.sample else None
                                 for s in out.scheduled])
+
+    for i in range(10):
+        add(f"r{i}")
+    encoder, mirror, ids = StepEncoder(), [], itertools.count()
+    seen = dict(preempted=0, hits=0, reused=0, steps=0, lagging=0)
+    next_id = 10
+    in_flight = None
+    while sched.has_unfinished() or in_flight is not None:
+        out = sched.schedule()
+        seen["preempted"] += len(out.preempted)
+        if not out.is_empty:
+            batch = decode_step(encoder.encode(out.scheduled), mirror, ids)
+            _check_mirror(out.scheduled, batch)
+            seen["hits"] += sum(1 for s in out.scheduled if s.seq.num_cached_tokens > 0)
+            seen["lagging"] += sum(1 for s in batch
+                                   if len(s.seq.token_ids) < s.start + s.num_new_tokens)
+            mirror = finish_step(batch)
+        if in_flight is not None:
+            finish(in_flight)
+            in_flight = None
+        if out.is_empty:
+            continue
+        if overlap:
+            in_flight = out
+        else:
+            finish(out)
         seen["steps"] += 1
         if seen["steps"] % 7 == 0 and sched.running:  # abort one, reuse its id at once
             victim = rng.choice(sched.running).seq_id
@@ -138,13 +155,15 @@ def test_worker_mirror_follows_the_scheduler(make_config):
             add(f"r{next_id}")
             next_id += 1
     assert seen["preempted"] and seen["hits"] and seen["reused"], seen
+    assert bool(seen["lagging"]) == overlap, seen  # overlapped rows wait for a device token
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def _first_step(seq: Sequence, num_new: int) -> tuple[StepEncoder, list]:
     encoder = StepEncoder()
     step = [ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens,
                          seq.num_computed_tokens)]
-    mirror = finish_step(decode_step(encoder.encode(step), []))
+    mirror = finish_step(decode_step(encoder.encode(step), [], itertools.count()))
     seq.num_computed_tokens += num_new
     return encoder, mirror
 
@@ -152,7 +171,7 @@ def _first_step(seq: Sequence, num_new: int) -> tuple[StepEncoder, list]:
 def _next_step_mirrors(encoder: StepEncoder, mirror: list, seq: Sequence) -> None:
     step = [ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, True,
                          seq.num_computed_tokens)]
-    _check_mirror(step, decode_step(encoder.encode(step), mirror))
+    _check_mirror(step, decode_step(encoder.encode(step), mirror, itertools.count(100)))
 
 
 @pytest.mark.parametrize("case", ["other_blocks", "fewer_computed", "reused_id"])
@@ -189,12 +208,12 @@ def test_decode_message_is_small_and_independent_of_context_length(make_config):
         for i in range(32):
             sched.add(Sequence(f"s{i}", [i % 300] * prompt_len,
                                SamplingParams(max_tokens=20, ignore_eos=True)))
-        encoder, mirror, msgs = StepEncoder(), [], []
+        encoder, mirror, msgs, ids = StepEncoder(), [], [], itertools.count()
         for _ in range(6):
             out = sched.schedule()
             msg = encoder.encode(out.scheduled)
             msgs.append((msg, [s.num_new_tokens for s in out.scheduled]))
-            mirror = finish_step(decode_step(msg, mirror))
+            mirror = finish_step(decode_step(msg, mirror, ids))
             sched.postprocess(out, [7 if s.sample else None for s in out.scheduled])
         decode = [m for m, lens in msgs if lens == [1] * 32]
         assert len(decode) >= 4

@@ -40,10 +40,26 @@ class Qwen3Attention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim,
                               scale=head_dim**-0.5, backend=backend)
+        # The GPU backends share the cache layout and ship triton: one launch does both
+        # norms, rotary and the cache store (at decode batch sizes five separate launches
+        # cost more than their bytes). The torch backend keeps the reference path.
+        self._fused_store = None
+        if backend.name != "torch":
+            from models.kernels.qk_norm_rope import qk_norm_rope_store
+
+            self._fused_store = qk_norm_rope_store
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2 * Hkv) * D] (this rank's heads)
+        kv_cache = self.attn.kv_cache
+        if self._fused_store is not None and kv_cache is not None:
+            q = self._fused_store(
+                qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight,
+                self.k_norm.weight, self.q_norm.eps, kv_cache[0], kv_cache[1],
+                meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.rotary_emb.rotary_dim)  # [T, H, D]
+            return self.o_proj(self.attn.forward_cached(q, meta).flatten(1))
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
                              self.qkv_proj.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))  # [T, H, D]

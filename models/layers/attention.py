@@ -35,6 +35,10 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             return self.backend.forward_no_cache(query, key, value, meta, self.scale)
         self.backend.store_kv(key, value, self.kv_cache, meta.slot_mapping)
+        return self.forward_cached(query, meta)
+
+    def forward_cached(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the cache alone: this step's K/V were stored by the caller."""
         return self.backend.forward(query, self.kv_cache, meta, self.scale)
 
     def extra_repr(self) -> str:

@@ -11,6 +11,7 @@ others with --block-size.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -64,15 +65,65 @@ def _time_ms(backend: Any, rows: Rows, layout: Layout, block_size: int,
     return do_bench(lambda: backend.forward(query, kv_cache, meta, scale))
 
 
+def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
+    """Decode attention at each split count, over batches whose contexts spread like the
+    nano-vllm bench workload's (uniform 100..2048), to tune choose_launch's split rule."""
+    import random
+
+    from triton.testing import do_bench
+
+    from models.kernels.paged_attention import (
+        AttentionLaunch,
+        choose_launch,
+        paged_attention,
+        split_workspace,
+    )
+
+    heads, kv_heads, dim = layout
+    rng = random.Random(0)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{'batch':>6}{'contexts':>12}" + "".join(f"{f'S={s}':>9}" for s in SPLITS)
+          + f"{'chosen':>9}")
+    for batch in (8, 16, 32, 48, 64, 96, 128, 192, 256):
+        for ctx_name, ctx in (("100..2048", lambda: rng.randint(100, 2048)),
+                              ("1024", lambda: 1024)):
+            rows = [(ctx() - 1, 1) for _ in range(batch)]
+            query, kv_cache, meta = _build(rows, layout, block_size, dtype)
+            kv_bytes, _ = _work(rows, layout, dtype)
+            base = choose_launch(num_tokens=batch, num_seqs=batch, num_kv_heads=kv_heads,
+                                 num_q_per_kv=heads // kv_heads, dtype=dtype, max_query_len=1,
+                                 max_seq_len=0, decode_only=True, num_sms=num_sms)
+            cells = []
+            for splits in SPLITS:
+                launch = AttentionLaunch(base.block_q, base.block_n, splits, base.num_warps)
+                ws = split_workspace(batch, heads, splits, dim, query.device)
+                ms = do_bench(functools.partial(
+                    paged_attention, query, kv_cache[0], kv_cache[1], meta.cu_seqlens_q,
+                    meta.seq_lens, meta.block_tables, dim ** -0.5, launch, workspace=ws))
+                cells.append(f"{kv_bytes / ms / 1e9:>8.2f}T")
+            print(f"{batch:>6}{ctx_name:>12}" + "".join(f"{c:>9}" for c in cells)
+                  + f"{f'S={base.num_splits}':>9}")
+
+
+SPLITS = (1, 2, 4, 8, 16, 32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="triton,flash-attn")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--sweep-splits", action="store_true",
+                        help="decode KV bandwidth (TB/s) per split count instead")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"GPU: {torch.cuda.get_device_name()}  dtype={args.dtype}")
+    if args.sweep_splits:
+        for layout_name in args.layouts.split(","):
+            print(f"triton decode, {layout_name}, block size {args.block_size}: KV TB/s")
+            sweep_splits(LAYOUTS[layout_name], args.block_size, dtype)
+        return
     print(f"{'backend':<11}{'layout':<12}{'scenario':<28}{'us':>10}{'GB/s':>9}{'TFLOP/s':>9}")
     for name in args.backends.split(","):
         try:

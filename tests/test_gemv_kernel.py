@@ -55,16 +55,19 @@ def test_gemv_kernel_check_interpreted(interpreter_run: str, check: str) -> None
 
 
 def test_use_gemv_refuses_what_it_cannot_serve() -> None:
-    from models.kernels.gemv import MAX_M, gemv, gemv_supported, use_gemv
+    from models.kernels.gemv import MAX_M, TUNED, TUNED_MAX_M, gemv, gemv_supported, use_gemv
 
     w = torch.randn(64, 32)
     assert not use_gemv(torch.randn(1, 32), w)  # CPU tensors go to F.linear
-    assert not gemv_supported(MAX_M + 1, 4096, 1024, torch.bfloat16)
-    assert not gemv_supported(0, 4096, 1024, torch.bfloat16)
-    assert not gemv_supported(1, 4096, 1024, torch.int8)
-    assert not gemv_supported(1, 4096, 1000, torch.bfloat16)  # rows not 16-element aligned
-    for m in range(1, MAX_M + 1):
-        assert gemv_supported(m, 4096, 1024, torch.bfloat16), m
+    n, k = 1024, 2048  # a measured winner (0.6B o_proj)
+    assert TUNED[(n, k, 2)] is not None
+    assert gemv_supported(1, n, k, torch.bfloat16)
+    assert not gemv_supported(TUNED_MAX_M + 1, n, k, torch.bfloat16)  # unmeasured batch
+    assert not gemv_supported(0, n, k, torch.bfloat16)
+    assert not gemv_supported(1, n, k, torch.int8)
+    assert not gemv_supported(1, n, k, torch.float32)  # unmeasured dtype size
+    assert not gemv_supported(1, 6144, 1024, torch.bfloat16)  # cuBLAS won (0.6B gate_up)
+    assert not gemv_supported(1, n + 1, k, torch.bfloat16)  # unmeasured shape
     with pytest.raises(AssertionError, match="at most"):
         gemv(torch.randn(MAX_M + 1, 32), w)
 

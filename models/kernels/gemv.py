@@ -49,9 +49,6 @@ TARGET_PROGRAMS = 264
 # Weight rows per program at most: each thread holds all of them (16 bytes of each per K
 # step), so registers grow with it; 4 rows is ~128 registers at M = 8.
 MAX_BLOCK_N = 4
-# Unmeasured shapes above this many weight bytes are left to cuBLAS (e.g. a 150k-row LM
-# head, where cuBLAS already streams at close to peak).
-MAX_UNTUNED_WEIGHT_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -82,9 +79,30 @@ class GemvConfig:
             raise ValueError(f"mma needs block_n >= 16 (tl.dot), got {self.block_n}")
 
 
-# Measured winners per (N, K, element size in bytes); None: cuBLAS was faster there.
-# Paste the table that `python -m benchmarks.gemv_bench` prints last.
-TUNED: dict[tuple[int, int, int], GemvConfig | None] = {}
+# Measured winners per (N, K, element size in bytes) at M = 1 (batch-1 decode), where cuBLAS
+# picks slow kernels for several of these shapes; None or absent: cuBLAS. From
+# `python -m benchmarks.gemv_bench --m 1,4 --rep 2` on an H200 (bf16, cold weights, CUDA
+# graphs; benchmarks/RESULTS.md). Split-K configs won a few percent on some 8B shapes but
+# their atomics make logits differ from run to run, so the table keeps to the best
+# deterministic config; shapes it gained under ~5% on stay with cuBLAS.
+_FMA_K1024 = GemvConfig(block_n=1, block_k=1024)
+_FMA_K2048 = GemvConfig(block_n=1, block_k=2048)
+TUNED: dict[tuple[int, int, int], GemvConfig | None] = {
+    (1024, 2048, 2): _FMA_K2048,  # 0.6B o_proj: 12.82 -> 3.52 us
+    (1024, 3072, 2): _FMA_K1024,  # 0.6B down: 7.66 -> 4.13 us
+    (6144, 4096, 2): _FMA_K1024,  # 8B qkv, 8B gate_up TP=4: 16.56 -> 14.73 us
+    (3072, 4096, 2): _FMA_K1024,  # 8B qkv TP=2: 12.33 -> 8.98 us
+    (1536, 4096, 2): _FMA_K1024,  # 8B qkv TP=4: 8.74 -> 6.00 us
+    (4096, 4096, 2): _FMA_K1024,  # 8B o_proj: 13.58 -> 11.01 us
+    (4096, 2048, 2): _FMA_K2048,  # 8B o_proj TP=2: 7.31 -> 6.84 us
+    (12288, 4096, 2): _FMA_K1024,  # 8B gate_up TP=2: 28.00 -> 26.15 us
+    (4096, 12288, 2): _FMA_K2048,  # 8B down: 29.70 -> 26.13 us
+    (4096, 6144, 2): _FMA_K1024,  # 8B down TP=2: 17.72 -> 14.69 us
+    (4096, 3072, 2): _FMA_K1024,  # 8B down TP=4: 11.44 -> 9.59 us
+    (37984, 4096, 2): _FMA_K1024,  # 8B LM head TP=4: 80.14 -> 71.88 us
+}
+# The batch size TUNED was measured at: larger batches keep cuBLAS.
+TUNED_MAX_M = 1
 
 
 def default_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
@@ -108,12 +126,9 @@ def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     """Host-int half of `use_gemv`: a batch gemv serves, in a dtype it serves, on a shape
     where it was measured (or, untuned, is expected) to beat cuBLAS. K must be a multiple of
     16 elements: Triton vectorizes the weight rows only when it knows they are aligned."""
-    if not 1 <= m <= MAX_M or dtype not in _DTYPES or n < 1 or k < 1 or k % 16:
+    if not 1 <= m <= TUNED_MAX_M or dtype not in _DTYPES or n < 1 or k < 1 or k % 16:
         return False
-    key = (n, k, dtype.itemsize)
-    if key in TUNED:
-        return TUNED[key] is not None
-    return n * k * dtype.itemsize <= MAX_UNTUNED_WEIGHT_BYTES
+    return TUNED.get((n, k, dtype.itemsize)) is not None
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.linear import linear
 from models.parallel import (
     WeightSource,
     check_shape,
@@ -66,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [num_tokens, embedding_dim] -> [num_tokens, num_embeddings]
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

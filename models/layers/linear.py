@@ -23,6 +23,18 @@ from models.parallel import (
 )
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or nanoserve's Triton GEMV where it was measured faster: batch-1 decode on
+    CUDA, on the shapes in models/kernels/gemv.py's TUNED table."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+        from models.kernels.gemv import gemv, use_gemv  # triton: CUDA torch ships it
+
+        if use_gemv(x, weight):
+            return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     """Holds this rank's shard: weight [output_per_rank, input_per_rank] (+ bias)."""
 
@@ -44,7 +56,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -152,4 +164,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_per_rank] -> [num_tokens, output_size]
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(F.linear(x, self.weight, bias))
+        return tp_all_reduce(linear(x, self.weight, bias))

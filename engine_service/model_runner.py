@@ -52,8 +52,8 @@ class LaunchedStep:
         self.batch = batch
         self._guard = guard or contextlib.nullcontext  # a tensor-parallel step: TPWorkers.guard
         self.wait_seconds = 0.0  # how long result() blocked on the device
-        # Device time from the end of the work queued before this step to the end of its
-        # output copy (`start` is recorded when the launch begins): the device's busy time.
+        # Device time from the later of (the step's inputs queued, the work before it done)
+        # to the end of its output copy: the device's busy time, host launch gaps included.
         self.device_seconds = 0.0
         self._start = start
         self._host: dict[str, torch.Tensor] = {}
@@ -371,10 +371,14 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- execution
 
-    def run_model(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+    def run_model(self, batch: list[ScheduledSeq],
+                  start: torch.cuda.Event | None = None) -> torch.Tensor | None:
         """Forward one batch; logits of its sampling rows [num_rows, vocab], or None. Every
-        tensor-parallel rank runs this on the same batch, so the collectives line up."""
+        tensor-parallel rank runs this on the same batch, so the collectives line up.
+        `start` is recorded once the inputs are built: the device's part begins there."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(batch)
+        if start is not None:
+            start.record()
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
@@ -399,12 +403,9 @@ class ModelRunner:
             return self._launch(batch, eos_token_ids)
 
     def _launch(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
-        start = None
-        if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        start = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
         rows = [item for item in batch if item.sample]
-        logits = self.run_model(batch)
+        logits = self.run_model(batch, start)
         guard = self.tp.guard if self.tp is not None else None
         if logits is None:
             self._remember_sampled(rows, None)

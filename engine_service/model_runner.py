@@ -256,7 +256,8 @@ class ModelRunner:
             lens, lens, [[0] * -(-n // self.block_size) for n in lens], self.block_size,
             self.device)
         hidden = self.model(input_ids, positions, meta)
-        self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        # float32, as the sampler's penalty and mask paths copy them.
+        self.model.compute_logits(hidden[-self.config.max_num_seqs:]).float()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)

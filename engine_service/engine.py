@@ -143,7 +143,7 @@ class LLMEngine:
             finished.append(self._in_flight[1])
         self._in_flight = launched
         if not sched.is_empty:
-            prefill = sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
+            prefill = sched.num_prefill_tokens
             self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
                                         time.perf_counter() - t0,
                                         sum(f.wait_seconds for f in finished),
@@ -153,8 +153,9 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """A penalty reads a row's whole output history, pending token included."""
-        return not any(s.num_pending_tokens and s.sampling_params.uses_penalties
-                       for s in self.scheduler.running)
+        return not (self.scheduler.num_with_penalties and any(
+            s.num_pending_tokens and s.sampling_params.uses_penalties
+            for s in self.scheduler.running))
 
     def _finish(self, in_flight: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
         sched, launched = in_flight

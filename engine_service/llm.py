@@ -93,12 +93,15 @@ class LLM:
                 prefill_tps = stats.num_prefill_tokens / dt
             if stats.num_decode_tokens:
                 decode_tps = stats.num_decode_tokens / dt
+            # Runs for every row of every step: no generator per output.
             for ro in step_outputs:
                 if ro.request_id not in pending:
                     continue
                 out, detok = outputs[ro.request_id], detoks.get(ro.request_id)
-                out.token_ids.extend(ro.new_token_ids)
-                out.logprobs.extend(x for x in ro.new_logprobs if x is not None)
+                out.token_ids += ro.new_token_ids
+                for lp in ro.new_logprobs:
+                    if lp is not None:
+                        out.logprobs.append(lp)
                 out.num_cached_tokens = ro.num_cached_tokens
                 upd = detok.update(ro.new_token_ids) if detok is not None else None
                 if upd is not None and upd.stopped:
@@ -112,6 +115,7 @@ class LLM:
                     out.text = detok.output_text if detok is not None else ""
                     pending.discard(ro.request_id)
                     bar.update(1)
-            bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s",
-                            refresh=False)
+            if use_tqdm:
+                bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s",
+                                decode=f"{decode_tps:.0f}tok/s", refresh=False)
         bar.close()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from engine_service.config import EngineConfig
 from engine_service.scheduler import ScheduledSeq
 from engine_service.tp_worker import agree_on_num_kv_blocks, start_tensor_parallel
-from models.attention_metadata import make_attention_metadata
+from models.attention_metadata import BlockTableCache, make_attention_metadata
 from models.backends import get_attention_backend
 from models.config import Qwen3Config
 from models.host_copy import to_device
@@ -94,6 +94,8 @@ class LaunchedStep:
         if not self._host:
             return StepResult([None] * len(batch), [None] * len(batch))
         sampled = self._host["sampled"].tolist()
+        if len(sampled) == len(batch) and "logprobs" not in self._host:
+            return StepResult(sampled, [None] * len(batch))  # every row sampled
         rows = [item for item in batch if item.sample]
         lp = self._logprobs(rows) if "logprobs" in self._host else None
         tokens: list[int | None] = []
@@ -185,6 +187,7 @@ class ModelRunner:
         # next step is read from here (async scheduling).
         self._prev_sampled: torch.Tensor | None = None  # [num_rows] int64
         self._prev_sample_rows: dict[str | int, int] = {}  # seq_id -> row
+        self._table_cache = BlockTableCache()  # decode rows' tables change once a block
 
         self.num_kv_blocks = agree_on_num_kv_blocks(self._decide_num_kv_blocks(), self.device)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
@@ -338,7 +341,8 @@ class ModelRunner:
         meta = make_attention_metadata(
             [item.num_new_tokens for item in batch],
             [item.start + item.num_new_tokens for item in batch],
-            [item.seq.block_table for item in batch], self.block_size, self.device)
+            [item.seq.block_table for item in batch], self.block_size, self.device,
+            table_cache=self._table_cache)
         dev = self.device
         ids = to_device(input_ids, torch.long, dev)  # [T]
         if pending_dst:
@@ -350,18 +354,25 @@ class ModelRunner:
 
     def prepare_sampling(self, rows: list[ScheduledSeq], eos_token_ids: list[int]
                          ) -> SamplingTensors:
-        params = [item.seq.sampling_params for item in rows]
-        need_history = any(p.uses_penalties for p in params)
+        params: list = []
+        seeds: list[int] = []
+        steps: list[int] = []
         suppress: list[tuple[int, int]] = []
-        for row, item in enumerate(rows):
-            sp = item.seq.sampling_params
-            if item.output_index < sp.min_tokens:
+        for row, item in enumerate(rows):  # one pass: this runs for every row of every step
+            seq = item.seq
+            sp = seq.sampling_params
+            step = item.output_index
+            params.append(sp)
+            seeds.append(seq.seed)
+            steps.append(step)
+            if step < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
                 suppress.extend((row, t) for t in banned if t < self.vocab_size)
+        need_history = any(p.uses_penalties for p in params)
         return SamplingTensors.build(
             params=params,
-            seeds=[item.seq.seed for item in rows],
-            steps=[item.output_index for item in rows],
+            seeds=seeds,
+            steps=steps,
             prompt_token_ids=[item.seq.token_ids[:item.seq.num_prompt_tokens] for item in rows]
             if need_history else None,
             output_token_ids=[item.seq.output_token_ids for item in rows]

@@ -14,6 +14,10 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+# `SequenceStatus.FINISHED` is a ~70 ns lookup on Python 3.11; is_finished runs per row per step.
+_FINISHED = SequenceStatus.FINISHED
+
+
 class Sequence:
     """A prompt and its outputs in one token list; the scheduler and block manager mutate it.
 
@@ -83,7 +87,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is _FINISHED
 
     @property
     def num_uncomputed_tokens(self) -> int:

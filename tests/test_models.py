@@ -7,11 +7,16 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.attention_metadata import AttentionMetadata, make_attention_metadata
+from models.attention_metadata import (
+    AttentionMetadata,
+    BlockTableCache,
+    make_attention_metadata,
+)
 from models.backends import get_attention_backend
 from models.backends.torch_backend import TorchAttentionBackend
 from models.config import Qwen3Config
@@ -295,6 +300,75 @@ def test_metadata_validation():
     with pytest.raises(ValueError, match="slot_mapping must be a 1-D int64"):
         AttentionMetadata(torch.zeros(3, dtype=torch.int32), meta.cu_seqlens_q, meta.seq_lens,
                           meta.block_tables, 2, 5)
+
+
+def _padded(tables: list[list[int]], pad: int) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [pad] * (width - len(t)) for t in tables]
+
+
+def _slots(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+           block_size: int) -> list[int]:
+    """Slot of every query token, written out position by position."""
+    return [tables[b][pos // block_size] * block_size + pos % block_size
+            for b, (q, n) in enumerate(zip(query_lens, seq_lens, strict=True))
+            for pos in range(n - q, n)]
+
+
+def test_block_table_cache_equals_fresh_tables():
+    """Tables packed through a cache kept across calls equal plain padded lists after every
+    kind of change: growth, an in-place edit of the same length, clear and refill, a new
+    list with equal contents, rows dropped and reordered, an empty batch."""
+    cache, pad = BlockTableCache(), 7
+    a, b, c = [3, 4], [5], [8, 9, 10]
+    batches = [
+        [a, b, c],
+        [a, b, c],  # unchanged: every row reused
+        [c, a, b],  # reordered
+        "grow",  # a and b gain a block
+        "edit",  # a block id changes in place, same length
+        "refill",  # b freed (preempted) and refilled with other blocks, same length
+        [list(a), c],  # a copy of a (a new list object), b dropped
+        [],
+        [b, a],
+    ]
+    for batch in batches:
+        if batch == "grow":
+            a.append(11)
+            b.append(12)
+            batch = [a, b, c]
+        elif batch == "edit":
+            a[1] = 13
+            batch = [a, b, c]
+        elif batch == "refill":
+            n = len(b)
+            b.clear()
+            b.extend(range(20, 20 + n))
+            batch = [a, b, c]
+        packed = cache.pack(batch, max(map(len, batch), default=0), pad)
+        assert packed.dtype == np.int32
+        assert packed.tolist() == _padded(batch, pad)
+        if batch:  # the same through the metadata, slots included
+            seq_lens = [len(t) * BLOCK_SIZE for t in batch]
+            query_lens = [1] * len(batch)
+            meta = make_attention_metadata(query_lens, seq_lens, batch, BLOCK_SIZE,
+                                           pad_block_id=pad, table_cache=cache)
+            assert meta.block_tables.tolist() == _padded(batch, pad)
+            assert meta.slot_mapping.tolist() == _slots(query_lens, seq_lens, batch,
+                                                        BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 3, 1], [2, 1, 4]])
+def test_slot_mapping_matches_positions(query_lens):
+    """Decode-only batches take a shorter path to the slots than mixed ones; both must put
+    every query token at its position's slot."""
+    seq_lens = [5, 9, 4]
+    tables = [[6, 2], [0, 5, 1], [3]]
+    meta = make_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.slot_mapping.tolist() == _slots(query_lens, seq_lens, tables, BLOCK_SIZE)
+    assert meta.decode_only == all(q == 1 for q in query_lens)
+    assert meta.max_query_len == max(query_lens)
 
 
 def test_vocab_shards_pad_the_last_rank(monkeypatch):

@@ -344,6 +344,43 @@ def test_build_tensors_and_flags() -> None:
                               [], 8, "cpu")
 
 
+def test_build_rows_sharing_params_objects() -> None:
+    """Rows that share one SamplingParams object (as LLM.generate gives) and rows with their
+    own, equal or not, each get their own settings; batch flags count sampled rows only."""
+    greedy = SamplingParams(temperature=0.0, top_k=3, logprobs=2)  # its top_k is moot
+    nucleus = SamplingParams(temperature=0.7, top_p=0.8)
+    nucleus_copy = SamplingParams(temperature=0.7, top_p=0.8)
+    min_p = SamplingParams(temperature=1.0, min_p=0.1, logprobs=5)
+    params = [greedy, nucleus, greedy, nucleus_copy, min_p, nucleus, greedy]
+    t = SamplingTensors.build(params, list(range(10, 17)), list(range(7)), None, None, [], 16,
+                              "cpu")
+    assert t.temperatures.tolist() == pytest.approx([0.0, 0.7, 0.0, 0.7, 1.0, 0.7, 0.0])
+    assert t.top_ks.tolist() == [3, 16, 3, 16, 16, 16, 3]
+    assert t.top_ps.tolist() == pytest.approx([1.0, 0.8, 1.0, 0.8, 1.0, 0.8, 1.0])
+    assert t.min_ps.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    assert t.seeds.tolist() == list(range(10, 17)) and t.sample_steps.tolist() == list(range(7))
+    assert t.max_num_logprobs == 5
+    assert (t.all_greedy, t.any_top_k, t.any_top_p, t.any_min_p, t.any_penalty) == \
+        (False, False, True, True, False)
+    shared = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    t = build([shared, {"temperature": 0.0}, shared], vocab=8)
+    assert t.all_greedy and t.any_penalty and t.max_num_logprobs == -1
+    assert t.presence_penalties.tolist() == [0.5, 0.0, 0.5]
+    t = build([shared] * 3, vocab=8)  # one object for the whole batch
+    assert t.all_greedy and t.any_penalty and t.presence_penalties.tolist() == [0.5] * 3
+    one = SamplingParams(temperature=0.5, top_k=4, min_p=0.2, repetition_penalty=1.5,
+                         logprobs=3)
+    t = build([one] * 4, seeds=[7, 8, 9, 10], steps=[1, 2, 3, 4], vocab=8)
+    assert t.temperatures.tolist() == [0.5] * 4 and t.top_ks.tolist() == [4] * 4
+    assert t.min_ps.tolist() == pytest.approx([0.2] * 4) and t.top_ps.tolist() == [1.0] * 4
+    assert t.repetition_penalties.tolist() == [1.5] * 4
+    assert t.frequency_penalties.tolist() == [0.0] * 4
+    assert t.seeds.tolist() == [7, 8, 9, 10] and t.sample_steps.tolist() == [1, 2, 3, 4]
+    assert (t.all_greedy, t.any_top_k, t.any_top_p, t.any_min_p, t.any_penalty) == \
+        (False, True, False, True, True)
+    assert t.max_num_logprobs == 3 and t.prompt_mask.shape == (4, 8)
+
+
 def test_all_greedy_batch_is_argmax() -> None:
     torch.manual_seed(5)
     logits = torch.randn(8, 64)

@@ -19,6 +19,7 @@ from engine_service.config import EngineConfig
 from engine_service.sampling_params import SamplingParams
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence, SequenceStatus
+from models.attention_metadata import BlockTableCache, make_attention_metadata
 
 EOS = 2
 BS = 4
@@ -64,6 +65,8 @@ class Harness:
         self._in_flight: tuple[SchedulerOutput, list[int | None]] | None = None
         self._device: dict[str, int] = {}  # the in-flight step's sampled tokens
         self._n = 0
+        # Sees each batch as the model runner would: after schedule, before postprocess.
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
 
     def add(self, prompt: list[int], seq_id: str | None = None, **params: object) -> Sequence:
         self._n += 1
@@ -74,6 +77,8 @@ class Harness:
     def step(self, tokens: TokenFn = next_token) -> tuple[SchedulerOutput, list[Sequence]]:
         out = self.sched.schedule()
         self.check_batch(out)
+        if self.on_schedule is not None:
+            self.on_schedule(out)
         self.write_kv(out)
         sampled = [tokens(r.seq, r.output_index) if r.sample else None for r in out.scheduled]
         if not self.overlap:
@@ -101,6 +106,10 @@ class Harness:
     def check_batch(self, out: SchedulerOutput) -> None:
         cfg = self.config
         assert out.num_batched_tokens == sum(r.num_new_tokens for r in out.scheduled)
+        assert out.num_prefill_tokens == sum(r.num_new_tokens for r in out.scheduled
+                                             if not r.is_decode)
+        assert self.sched.num_with_penalties == sum(
+            s.sampling_params.uses_penalties for s in self.sched._unfinished.values())
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert self.sched.num_running <= cfg.max_num_seqs
@@ -391,6 +400,34 @@ def test_tokens_in_flight(harness) -> None:
     assert h.sched.tokens_in_flight() == 0
 
 
+def test_tokens_in_flight_capped_by_max_model_len(harness) -> None:
+    h = harness(max_num_batched_tokens=8, max_model_len=20)
+    h.add(prompt(12), max_tokens=100, ignore_eos=True)
+    h.add(prompt(2, 200), max_tokens=3, ignore_eos=True)
+    assert h.sched.tokens_in_flight() == (12 + (20 - 12)) + (2 + 3)
+    h.step()  # 8 prompt tokens of the first
+    assert h.sched.tokens_in_flight() == (4 + 8) + (2 + 3)
+    h.run()
+    assert h.sched.tokens_in_flight() == 0
+
+
+def test_num_with_penalties_follows_unfinished_sequences(any_harness) -> None:
+    h = any_harness()
+    h.add(prompt(3), max_tokens=2, presence_penalty=0.5)
+    h.add(prompt(3, 200), max_tokens=2)
+    c = h.add(prompt(3, 300), max_tokens=6, repetition_penalty=1.2)
+    h.add(prompt(3, 400), max_tokens=3, frequency_penalty=-0.5)
+    assert h.sched.num_with_penalties == 3
+    h.step()
+    assert h.sched.num_with_penalties == 3
+    h.sched.abort(c.seq_id)
+    assert h.sched.num_with_penalties == 2
+    h.sched.abort(c.seq_id)  # unknown by now: no change
+    assert h.sched.num_with_penalties == 2
+    h.run()
+    assert h.sched.num_with_penalties == 0
+
+
 def test_add_rejects_duplicate_ids(harness) -> None:
     h = harness()
     first = h.add(prompt(3), seq_id="same")
@@ -406,6 +443,11 @@ def test_add_rejects_duplicate_ids(harness) -> None:
 def test_random_workload_with_preemption_and_aborts(any_harness) -> None:
     rng = random.Random(1)
     h = any_harness(max_num_batched_tokens=24, max_num_seqs=5, num_kv_blocks=14, max_model_len=48)
+    random_workload(h, rng)
+
+
+def random_workload(h: Harness, rng: random.Random) -> None:
+    """Arrivals sharing prefixes, aborts, KV pressure; checks every finished output."""
     shared = [rng.randrange(10, 900) for _ in range(16)]
     limits: dict[str, int] = {}
     aborted: set[str] = set()
@@ -428,3 +470,34 @@ def test_random_workload_with_preemption_and_aborts(any_harness) -> None:
         assert s.seq_id not in aborted
         assert s.finish_reason == "length"
         assert s.output_token_ids == expected_output(s, limits[s.seq_id])
+
+
+def test_block_table_cache_through_preemption_and_aborts(any_harness) -> None:
+    """The model runner's block tables, packed through one cache across all steps, equal
+    tables padded from scratch in every batch of a workload that grows, preempts, aborts
+    and reuses blocks; the slots agree with the positions too."""
+    h = any_harness(max_num_batched_tokens=24, max_num_seqs=5, num_kv_blocks=14, max_model_len=48)
+    cache = BlockTableCache()
+    seen = {"rows": 0, "preempted": 0}
+
+    def check(out: SchedulerOutput) -> None:
+        rows = out.scheduled
+        seen["rows"] += len(rows)
+        seen["preempted"] += len(out.preempted)
+        if not rows:
+            return
+        tables = [r.seq.block_table for r in rows]
+        query_lens = [r.num_new_tokens for r in rows]
+        seq_lens = [r.start + r.num_new_tokens for r in rows]
+        meta = make_attention_metadata(query_lens, seq_lens, tables, BS, pad_block_id=-1,
+                                       table_cache=cache)
+        width = max(len(t) for t in tables)
+        assert meta.block_tables.tolist() == [t + [-1] * (width - len(t)) for t in tables]
+        assert meta.slot_mapping.tolist() == [
+            t[pos // BS] * BS + pos % BS
+            for t, q, n in zip(tables, query_lens, seq_lens, strict=True)
+            for pos in range(n - q, n)]
+
+    h.on_schedule = check
+    random_workload(h, random.Random(2))
+    assert seen["rows"] > 100 and seen["preempted"] > 0

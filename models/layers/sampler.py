@@ -149,21 +149,32 @@ class SamplingTensors:
         if len(seeds) != b or len(steps) != b:
             raise ValueError(f"need one seed and one step per row ({b}), "
                              f"got {len(seeds)} seeds and {len(steps)} steps")
-        temps = [float(p.temperature) for p in params]
+        # LLM.generate gives every row the same SamplingParams object: convert it once and
+        # repeat it (the flags come out the same from one row as from all of them).
+        uniform = b > 1 and all(p is params[0] for p in params)  # stops at the first other
+        src = params[:1] if uniform else params
+        temps = [float(p.temperature) for p in src]
         temps = [0.0 if t < SAMPLING_EPS else t for t in temps]
-        top_ks = [int(p.top_k) for p in params]
+        top_ks = [int(p.top_k) for p in src]
         top_ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_ks]
-        top_ps = [float(p.top_p) for p in params]
-        min_ps = [float(p.min_p) for p in params]
-        reps = [float(p.repetition_penalty) for p in params]
-        pres = [float(p.presence_penalty) for p in params]
-        freqs = [float(p.frequency_penalty) for p in params]
-        nums = [p.logprobs for p in params]
+        top_ps = [float(p.top_p) for p in src]
+        min_ps = [float(p.min_p) for p in src]
+        reps = [float(p.repetition_penalty) for p in src]
+        pres = [float(p.presence_penalty) for p in src]
+        freqs = [float(p.frequency_penalty) for p in src]
+        nums = [p.logprobs for p in src]
         wanted = [int(n) for n in nums if n is not None]
 
         sampled = [t > 0 for t in temps]
         any_penalty = any(r != 1.0 or p != 0.0 or f != 0.0
                           for r, p, f in zip(reps, pres, freqs, strict=True))
+        all_greedy = not any(sampled)
+        any_top_k = any(s and k < vocab_size for s, k in zip(sampled, top_ks, strict=True))
+        any_top_p = any(s and p < 1.0 for s, p in zip(sampled, top_ps, strict=True))
+        any_min_p = any(s and m > 0.0 for s, m in zip(sampled, min_ps, strict=True))
+        if uniform:
+            temps, top_ks, top_ps, min_ps, reps, pres, freqs = (
+                column * b for column in (temps, top_ks, top_ps, min_ps, reps, pres, freqs))
 
         # One flat list each: the array-backed copy is much faster than nested lists.
         floats = to_device(temps + top_ps + min_ps + reps + pres + freqs, torch.float32,
@@ -199,10 +210,10 @@ class SamplingTensors:
             prompt_mask=prompt_mask, output_counts=output_counts,
             suppress_token_ids=suppress_ids,
             max_num_logprobs=max(wanted) if wanted else -1,
-            all_greedy=not any(sampled),
-            any_top_k=any(s and k < vocab_size for s, k in zip(sampled, top_ks, strict=True)),
-            any_top_p=any(s and p < 1.0 for s, p in zip(sampled, top_ps, strict=True)),
-            any_min_p=any(s and m > 0.0 for s, m in zip(sampled, min_ps, strict=True)),
+            all_greedy=all_greedy,
+            any_top_k=any_top_k,
+            any_top_p=any_top_p,
+            any_min_p=any_min_p,
             any_penalty=any_penalty,
         )
 

@@ -2,10 +2,12 @@
 
 Stages: tests (tests/gpu), offline (nano-vllm bench workload, Qwen3-0.6B shape, dummy
 bf16 weights), offline_sync (the same without async scheduling), profile (host and kernel
-profile of batch-256 decode steps), allreduce (fast vs NCCL all-reduce), single (one
+profile of batch-256 and batch-1 decode steps), allreduce (fast vs NCCL all-reduce), single (one
 request, 512-token prompt, 512 new tokens), serve (the same
 workload as concurrent streams against one engine process), hbm (copy bandwidth and the
-decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs allow).
+decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs allow; with
+--tp-throughput also the workload), profile_tp (Qwen3-8B batch-1 profiles at TP=1/2),
+kernels (attention split-count and GEMV config sweeps).
 Logs go to $OUT (or ./.out); figures are appended to RESULTS.md (NANOSERVE_RESULTS to
 redirect); a table is printed last.
 """
@@ -104,6 +106,16 @@ def stage_profile_tp(args) -> None:
                      "FAILED", f"profile_8b_tp{tp}.log"))
 
 
+def stage_kernels(args) -> None:
+    """Kernel sweeps that tune launch choices: decode-attention split counts and the GEMV
+    config table against cuBLAS (logs only; paste-able tables at their ends)."""
+    sh("attention_splits", [sys.executable, "-m", "benchmarks.attention_bench",
+                            "--sweep-splits", "--layouts", "qwen3-0.6b"], timeout=180)
+    text = sh("gemv", [sys.executable, "-m", "benchmarks.gemv_bench", "--m", "1,4",
+                       "--rep", "2"], timeout=300)
+    ROWS.append(("GEMV vs cuBLAS sweep", "see gemv.log" if "TUNED" in text else "FAILED", ""))
+
+
 def stage_allreduce(args) -> None:
     import torch
 
@@ -186,7 +198,7 @@ def stage_tp(args) -> None:
 STAGES = {"tests": stage_tests, "offline": stage_offline, "offline_sync": stage_offline_sync,
           "single": stage_single, "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp,
           "profile": stage_profile, "profile_tp": stage_profile_tp,
-          "allreduce": stage_allreduce}
+          "allreduce": stage_allreduce, "kernels": stage_kernels}
 
 
 def main() -> int:

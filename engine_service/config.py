@@ -68,7 +68,7 @@ class EngineConfig:
                     self.max_waiting_requests)
         if self.num_kv_blocks is not None:
             # One sequence of max_model_len tokens must fit, or it could never finish.
-            need = -(-self.max_model_len // self.kv_block_size)
+            need = self.max_blocks_per_seq
             check_field(self.num_kv_blocks >= need, "num_kv_blocks",
                         f">= {need} (max_model_len={self.max_model_len} / "
                         f"kv_block_size={self.kv_block_size}, rounded up)", self.num_kv_blocks)

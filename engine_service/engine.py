@@ -153,9 +153,8 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """A penalty reads a row's whole output history, pending token included."""
-        return not (self.scheduler.num_with_penalties and any(
-            s.num_pending_tokens and s.sampling_params.uses_penalties
-            for s in self.scheduler.running))
+        return not any(s.num_pending_tokens and s.sampling_params.uses_penalties
+                       for s in self.scheduler.running)
 
     def _finish(self, in_flight: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
         sched, launched = in_flight

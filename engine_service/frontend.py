@@ -33,7 +33,7 @@ from engine_service.proto_convert import (
     stop_reason_to_str,
 )
 from engine_service.sampling_params import SamplingParams
-from engine_service.tokenizer import TOKENIZER_FILES, Tokenizer
+from engine_service.tokenizer import Tokenizer
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 
@@ -342,11 +342,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             self.kv_subscribers.discard(queue)
 
     async def GetTokenizer(self, request, context):
-        for name in TOKENIZER_FILES:
-            path = Path(self.model_dir) / name
-            if not path.is_file():
-                continue
-            data = path.read_bytes()
+        files = self.tokenizer.files if self.tokenizer is not None else {}
+        for name, data in files.items():  # read at start-up: no disk I/O on the event loop
             for start in range(0, max(len(data), 1), TOKENIZER_PIECE_BYTES):
                 piece = data[start:start + TOKENIZER_PIECE_BYTES]
                 last = start + TOKENIZER_PIECE_BYTES >= len(data)

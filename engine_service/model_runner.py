@@ -347,7 +347,7 @@ class ModelRunner:
         ids = to_device(input_ids, torch.long, dev)  # [T]
         if pending_dst:
             assert self._prev_sampled is not None
-            index = to_device([pending_dst, pending_src], torch.long, dev)  # [2, P]
+            index = to_device(pending_dst + pending_src, torch.long, dev).view(2, -1)  # [2, P]
             ids[index[0]] = self._prev_sampled[index[1]]
         return (ids, to_device(positions, torch.long, dev), meta,
                 to_device(logits_indices, torch.long, dev))
@@ -373,9 +373,12 @@ class ModelRunner:
             params=params,
             seeds=seeds,
             steps=steps,
-            prompt_token_ids=[item.seq.token_ids[:item.seq.num_prompt_tokens] for item in rows]
+            # Only penalty rows read their history; the others count nothing either way.
+            prompt_token_ids=[item.seq.prompt_token_ids if p.uses_penalties else []
+                              for p, item in zip(params, rows, strict=True)]
             if need_history else None,
-            output_token_ids=[item.seq.output_token_ids for item in rows]
+            output_token_ids=[item.seq.output_token_ids if p.uses_penalties else []
+                              for p, item in zip(params, rows, strict=True)]
             if need_history else None,
             suppress=suppress,
             vocab_size=self.vocab_size,

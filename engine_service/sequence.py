@@ -82,17 +82,8 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is _FINISHED
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        """Tokens (pending ones included) whose KV is not computed or scheduled yet."""
-        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -40,14 +40,10 @@ class Qwen3Attention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim,
                               scale=head_dim**-0.5, backend=backend)
-        # The GPU backends share the cache layout and ship triton: one launch does both
-        # norms, rotary and the cache store (at decode batch sizes five separate launches
-        # cost more than their bytes). The torch backend keeps the reference path.
-        self._fused_store = None
-        if backend.name != "torch":
-            from models.kernels.qk_norm_rope import qk_norm_rope_store
-
-            self._fused_store = qk_norm_rope_store
+        # A GPU backend offers one launch for both norms, rotary and the cache store (at
+        # decode batch sizes five separate launches cost more than their bytes); the torch
+        # backend offers none and keeps the reference path.
+        self._fused_store = backend.qk_norm_rope_store
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -108,8 +108,6 @@ class Harness:
         assert out.num_batched_tokens == sum(r.num_new_tokens for r in out.scheduled)
         assert out.num_prefill_tokens == sum(r.num_new_tokens for r in out.scheduled
                                              if not r.is_decode)
-        assert self.sched.num_with_penalties == sum(
-            s.sampling_params.uses_penalties for s in self.sched._unfinished.values())
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert self.sched.num_running <= cfg.max_num_seqs
@@ -409,23 +407,6 @@ def test_tokens_in_flight_capped_by_max_model_len(harness) -> None:
     assert h.sched.tokens_in_flight() == (4 + 8) + (2 + 3)
     h.run()
     assert h.sched.tokens_in_flight() == 0
-
-
-def test_num_with_penalties_follows_unfinished_sequences(any_harness) -> None:
-    h = any_harness()
-    h.add(prompt(3), max_tokens=2, presence_penalty=0.5)
-    h.add(prompt(3, 200), max_tokens=2)
-    c = h.add(prompt(3, 300), max_tokens=6, repetition_penalty=1.2)
-    h.add(prompt(3, 400), max_tokens=3, frequency_penalty=-0.5)
-    assert h.sched.num_with_penalties == 3
-    h.step()
-    assert h.sched.num_with_penalties == 3
-    h.sched.abort(c.seq_id)
-    assert h.sched.num_with_penalties == 2
-    h.sched.abort(c.seq_id)  # unknown by now: no change
-    assert h.sched.num_with_penalties == 2
-    h.run()
-    assert h.sched.num_with_penalties == 0
 
 
 def test_add_rejects_duplicate_ids(harness) -> None:

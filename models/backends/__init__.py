@@ -1,6 +1,8 @@
 """Attention backends: one interface, picked by name.
 
-A backend has `.name`, `store_kv(key, value, kv_cache, slot_mapping)`,
+A backend has `.name`, `qk_norm_rope_store` (models/kernels/qk_norm_rope.py's signature, or
+None where the model must run q/k norm, rotary and `store_kv` as separate layers),
+`store_kv(key, value, kv_cache, slot_mapping)`,
 `forward(query, kv_cache, meta, scale)` and `forward_no_cache(query, key, value, meta, scale)`
 (see models/backends/torch_backend.py, the reference).
 """

@@ -39,14 +39,19 @@ class FlashAttnBackend:
 
     def __init__(self) -> None:
         self._fa = _import_flash_attn()
+        # Same cache layout as the triton backend, so its store kernels serve here too
+        # (triton ships with CUDA torch; imported here, not at module top, like flash_attn).
+        from models.kernels.qk_norm_rope import qk_norm_rope_store
+        from models.kernels.store_kv import store_kv
+
+        self.qk_norm_rope_store = qk_norm_rope_store
+        self._store_kv = store_kv
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """key/value [T, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at
         slot_mapping [T] (slot -1: skipped)."""
-        from models.kernels.store_kv import store_kv  # triton ships with CUDA torch
-
-        store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        self._store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -43,6 +43,7 @@ def _host_lists(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
 
 class TorchAttentionBackend:
     name = "torch"
+    qk_norm_rope_store = None  # no fused Qwen3 q/k norm + rotary + store: the layers run
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from models.attention_metadata import AttentionMetadata
 from models.kernels.paged_attention import choose_launch, paged_attention
+from models.kernels.qk_norm_rope import qk_norm_rope_store
 from models.kernels.store_kv import store_kv
 
 # SM count assumed off-GPU (TRITON_INTERPRET runs on CPU tensors).
@@ -37,6 +38,8 @@ def _num_leading_decode_rows(cu_seqlens_q: list[int]) -> int:
 
 class TritonAttentionBackend:
     name = "triton"
+    # Qwen3's q/k norm + rotary + K/V store in one launch, into this backend's cache layout.
+    qk_norm_rope_store = staticmethod(qk_norm_rope_store)
 
     def __init__(self, num_sms: int | None = None) -> None:
         self._num_sms = num_sms  # None: ask the device on first use

@@ -21,6 +21,7 @@ kernel from each row's own length, so a fixed `num_splits` serves any context le
 what a captured CUDA graph needs.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,7 @@ def _group_pad(num_q_per_kv: int) -> int:
     return triton.next_power_of_2(num_q_per_kv)
 
 
+@functools.lru_cache(maxsize=4096)  # asked per layer per eager step, same answer each time
 def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_per_kv: int,
                   dtype: torch.dtype, max_query_len: int, max_seq_len: int,
                   decode_only: bool, num_sms: int) -> AttentionLaunch:

@@ -141,6 +141,7 @@ def test_kv_events_snapshot_plus_deltas_match_cached_blocks(engine, client):
     stream = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest())
     held: set[int] = set()
     last_seq = 0
+    out_of_order: list[tuple[int, int]] = []  # checked on the test's thread, not in consume
     lock = threading.Lock()
 
     def consume():
@@ -152,7 +153,8 @@ def test_kv_events_snapshot_plus_deltas_match_cached_blocks(engine, client):
                         held.clear()
                     held.update(batch.block_hashes_stored)
                     held.difference_update(batch.block_hashes_removed)
-                    assert batch.sequence_number > last_seq or batch.snapshot
+                    if not (batch.sequence_number > last_seq or batch.snapshot):
+                        out_of_order.append((last_seq, batch.sequence_number))
                     last_seq = batch.sequence_number
         except grpc.RpcError:
             pass
@@ -168,6 +170,7 @@ def test_kv_events_snapshot_plus_deltas_match_cached_blocks(engine, client):
         expected.update(hash_prompt_blocks(computed, 4))
     with lock:
         assert expected <= held
+        assert not out_of_order, f"batch numbers went backwards: {out_of_order}"
         snapshot_seq = last_seq
         current = set(held)
     # A fresh snapshot equals what the subscriber rebuilt from snapshot + deltas.

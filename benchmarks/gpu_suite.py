@@ -6,7 +6,8 @@ profile of batch-256 and batch-1 decode steps), allreduce (fast vs NCCL all-redu
 request, 512-token prompt, 512 new tokens), serve (the same
 workload as concurrent streams against one engine process), hbm (copy bandwidth and the
 decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs allow; with
---tp-throughput also the workload), profile_tp (Qwen3-8B batch-1 profiles at TP=1/2),
+--tp-throughput also the workload), profile_tp (Qwen3-8B batch-1 profiles at TP=1/2/4),
+offline_profile (the workload under torch.profiler, device time by kernel group),
 kernels (attention split-count and GEMV config sweeps).
 Logs go to $OUT (or ./.out); figures are appended to RESULTS.md (NANOSERVE_RESULTS to
 redirect); a table is printed last.
@@ -75,6 +76,15 @@ def stage_offline(args, name: str = "offline", extra: tuple[str, ...] = ()) -> N
                      f"{m.group(1)} steps"))
 
 
+def stage_offline_profile(args) -> None:
+    """The workload under torch.profiler: device time by kernel group (log only)."""
+    text = sh("offline_profile", nanoserve("bench", "offline", "--model", args.model,
+                                           "--profile", *args.engine_args), timeout=540)
+    m = re.search(r"device time by kernel group \(whole run, ([\d.]+) s", text)
+    ROWS.append(("offline under the profiler: kernel time", f"{m.group(1)} s" if m else
+                 "FAILED", "offline_profile.log"))
+
+
 def stage_offline_sync(args) -> None:
     """The same workload without async scheduling: what overlapping host work buys."""
     stage_offline(args, "offline_sync", ("--no-async-scheduling", "--no-record"))
@@ -92,10 +102,10 @@ def stage_profile(args) -> None:
 
 
 def stage_profile_tp(args) -> None:
-    """Qwen3-8B batch-1 decode profiles at TP=1 and TP=2 (rank 0's kernels; logs only)."""
+    """Qwen3-8B batch-1 decode profiles at TP=1, 2 and 4 (rank 0's kernels; logs only)."""
     import torch
 
-    for tp in (1, 2):
+    for tp in (1, 2, 4):
         if tp > torch.cuda.device_count():
             continue
         text = sh(f"profile_8b_tp{tp}", [sys.executable, "-m", "benchmarks.profile_decode",
@@ -196,6 +206,7 @@ def stage_tp(args) -> None:
 
 
 STAGES = {"tests": stage_tests, "offline": stage_offline, "offline_sync": stage_offline_sync,
+          "offline_profile": stage_offline_profile,
           "single": stage_single, "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp,
           "profile": stage_profile, "profile_tp": stage_profile_tp,
           "allreduce": stage_allreduce, "kernels": stage_kernels}

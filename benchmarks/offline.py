@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single", action="store_true",
                         help="one request instead of the workload: prompt --max-input-len, "
                         "--max-output-len new tokens; reports decode tok/s")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the workload under torch.profiler and print device time "
+                        "per kernel group and per kernel (slower; nothing is recorded)")
     parser.epilog = f"--model also takes a preset with dummy weights: {', '.join(PRESETS)}"
 
 
@@ -39,9 +42,13 @@ def main(args: argparse.Namespace) -> int:
     prompts = [r.prompt_token_ids for r in reqs]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)  # warm-up
     llm.engine.total_stats = stats = StepStats(num_steps=0)
+    profiler = _start_profiler() if args.profile else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        args.no_record = True  # the profiler's overhead is in the wall time
+        _print_kernel_groups(profiler)
     total = sum(r.max_tokens for r in reqs)
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == total, f"expected {total} tokens (ignore_eos), got {produced}"
@@ -60,6 +67,79 @@ def main(args: argparse.Namespace) -> int:
             "throughput": f"{tps:.1f} output tok/s",
         })
     return 0
+
+
+# Kernel name fragments -> group, first match wins (Triton kernels keep their function
+# names; cuBLAS GEMMs carry "gemm"/"gemv" or the CUTLASS "sm90_xmma" family names).
+_KERNEL_GROUPS = (
+    ("attention", ("_paged_attention", "_combine_splits", "flash")),
+    ("kv store / qk-norm-rope", ("store_kv", "qk_norm_rope", "_store")),
+    ("gemm / gemv", ("gemm", "gemv", "xmma", "cutlass", "sm90", "matmul")),
+    ("sampling", ("_race_partial", "_combine_kernel", "sample", "argmax", "softmax")),
+    ("all-reduce / nccl", ("nccl", "all_reduce", "allreduce", "symm")),
+    ("norms, silu (inductor)", ("triton_poi", "triton_red", "triton_per")),
+)
+
+
+def _start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CUDA])
+    profiler.__enter__()
+    return profiler
+
+
+def _print_kernel_groups(profiler) -> None:
+    """Device time of the whole run by kernel group, then the top kernels."""
+    import torch
+
+    torch.cuda.synchronize()
+    profiler.__exit__(None, None, None)
+    events = [e for e in profiler.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) or 1.0
+    groups: dict[str, float] = {}
+    for e in events:
+        name = e.key.lower()
+        group = next((g for g, keys in _KERNEL_GROUPS if any(k in name for k in keys)), "other")
+        groups[group] = groups.get(group, 0.0) + e.device_time_total
+    print(f"device time by kernel group (whole run, {total / 1e6:.3f} s of kernels):")
+    for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {group:28s} {us / 1e6:8.3f} s  {100 * us / total:5.1f}%")
+    print("top kernels (device s, calls, mean us):")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:30]:
+        print(f"  {e.device_time_total / 1e6:8.3f} {e.count:8d} "
+              f"{e.device_time_total / max(e.count, 1):9.1f}  {e.key[:110]}")
+    _print_gaps(profiler)
+
+
+def _print_gaps(profiler, min_gap_us: float = 3.0) -> None:
+    """Where the device sat idle between kernels: gaps of at least `min_gap_us`, grouped by
+    the kernel that ended before the gap and the one that started after it."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
+                   if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return
+    groups: dict[tuple[str, str], list[float]] = {}
+    busy_until, before = spans[0][1], spans[0][2]
+    idle = 0.0
+    for start, end, name in spans[1:]:
+        gap = start - busy_until
+        if gap >= min_gap_us:
+            idle += gap
+            groups.setdefault((before[:40], name[:40]), []).append(gap)
+        if end > busy_until:
+            busy_until, before = end, name
+    print(f"device idle in gaps >= {min_gap_us:g} us: {idle / 1e6:.3f} s of "
+          f"{(busy_until - spans[0][0]) / 1e6:.3f} s (first kernel to last; under the "
+          f"profiler, whose host overhead widens host-bound gaps)")
+    print("largest gap groups (total s, count, median us, kernel before -> kernel after):")
+    ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:15]
+    for (prev, nxt), gaps in ranked:
+        gaps.sort()
+        print(f"  {sum(gaps) / 1e6:8.3f} {len(gaps):7d} {gaps[len(gaps) // 2]:9.1f}  "
+              f"{prev} -> {nxt}")
 
 
 def _single(llm, args: argparse.Namespace) -> int:

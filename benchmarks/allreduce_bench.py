@@ -7,8 +7,10 @@ One process per GPU. For each [B, hidden] bf16 message (the all-reduce of one de
 row-parallel layer): the per-call latency of NCCL `all_reduce` and of `tp_all_reduce` with
 the fast path on, eagerly and replayed from a CUDA graph of 32 back-to-back calls (replay
 time / 32), medians of several runs; the graph latency with one-shot and with two-shot
-forced (to place the cut-off between them); and the largest |fast - NCCL| on random inputs,
-eagerly and from a graph replayed with new inputs. Rank 0 prints the table last.
+forced (to place the cut-off between them); a layer's epilogue (all-reduce, then add +
+RMSNorm) against the fused all-reduce + add + RMSNorm kernel; and the largest
+|fast - NCCL| on random inputs, eagerly and from a graph replayed with new inputs. Rank 0
+prints the table last.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from models.parallel import (
     disable_nvlink_multicast,
     init_fast_all_reduce,
     tp_all_reduce,
+    tp_all_reduce_add_rms_norm,
 )
 
 GRAPH_CALLS = 32  # all-reduces per graph: 2 per layer of a decode step, as in the engine
@@ -165,6 +168,7 @@ def _bench_rank(rank: int, world_size: int, hidden: int, batch_sizes: list[int],
             "fast graph": _graph_us(tp_all_reduce, x, reps),
             "max|d| eager": diff_eager, "max|d| graph": diff_graph,
         })
+    _fused_columns(rows, hidden, device, reps)
     # Each algorithm forced (a fresh buffer and rendezvous each), graph latency only.
     for column, limit in (("1-shot graph", DEFAULT_FAST_ALL_REDUCE_BYTES),
                           ("2-shot graph", 0)):
@@ -177,13 +181,39 @@ def _bench_rank(rank: int, world_size: int, hidden: int, batch_sizes: list[int],
     return True
 
 
+def _fused_columns(rows: list[dict[str, Any]], hidden: int, device: torch.device,
+                   reps: int) -> None:
+    """A decoder layer's epilogue from a graph: the fast all-reduce then the compiled
+    add + RMSNorm, against the fused kernel (NaN where it does not cover the size)."""
+    from models.layers.fusion import fused
+    from models.layers.layernorm import add_rms_norm
+
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    for row in rows:
+        x = torch.zeros(row["B"], hidden, dtype=torch.bfloat16, device=device)
+        residual = torch.zeros_like(x)
+        add_norm = fused(add_rms_norm, x)
+
+        def unfused(t: torch.Tensor, residual: torch.Tensor = residual,
+                    add_norm: Callable = add_norm) -> Any:
+            return add_norm(tp_all_reduce(t), residual, weight, 1e-6)
+
+        def one_kernel(t: torch.Tensor, residual: torch.Tensor = residual) -> Any:
+            return tp_all_reduce_add_rms_norm(t, residual, weight, 1e-6)
+
+        row["AR+norm graph"] = _graph_us(unfused, x, reps)
+        row["fused graph"] = (_graph_us(one_kernel, x, reps) if one_kernel(x) is not None
+                              else float("nan"))
+
+
 def _print_table(rows: list[dict[str, Any]], world_size: int, hidden: int) -> None:
     print(f"\nall-reduce of [B, {hidden}] bf16 over {world_size} x "
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; latency per call in "
           f"us (graph: replay of {GRAPH_CALLS} calls / {GRAPH_CALLS}); algo = the fast "
           f"path's choice ({NCCL} = not covered)")
     columns = ["B", "KiB", "algo", "nccl eager", "fast eager", "nccl graph", "fast graph",
-               "1-shot graph", "2-shot graph", "graph x", "max|d| eager", "max|d| graph"]
+               "1-shot graph", "2-shot graph", "graph x", "AR+norm graph", "fused graph",
+               "max|d| eager", "max|d| graph"]
     print(" | ".join(f"{c:>12}" for c in columns))
     for row in rows:
         row["graph x"] = row["nccl graph"] / row["fast graph"]

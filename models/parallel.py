@@ -61,6 +61,17 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual) in one fused
+    kernel when the symmetric-memory fast path covers x; None otherwise (the caller then
+    all-reduces and normalizes on its own). The answer depends only on what every rank
+    shares (shape, dtype, the fast path being on), so all ranks take the same branch."""
+    if get_tp_size() > 1 and _FAST.impl is not None:
+        return _FAST.impl.all_reduce_add_rms_norm(x, residual, weight, eps)
+    return None
+
+
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's `x` along the last dim (rank order); every rank gets it."""
     size = get_tp_size()
@@ -130,6 +141,14 @@ FAST_ALIGN_BYTES = 16
 # `python -m benchmarks.allreduce_bench` times both, to move these cut-offs.
 ONE_SHOT_MAX_BYTES_UP_TO_4_RANKS = 512 * 1024
 ONE_SHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
+
+# The fused all-reduce + add + RMSNorm kernel (models/kernels/all_reduce_norm.py) covers
+# messages up to this size (decode batches: [32, 4096] or [128, 1024] bf16); larger ones go
+# through the all-reduce above and a separate norm. Its buffer per rank holds two halves of
+# every rank's rows, 2 * W * this many bytes, plus int32 flags for FUSED_NORM_ROWS rows.
+FUSED_NORM_MAX_BYTES = 256 * 1024
+FUSED_NORM_ROWS = 1024
+_FUSED_FLAG_BYTES = 8 * FUSED_NORM_ROWS * 4  # room for 8 ranks' flags
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
 _SYMM_MEM_OPS = ("one_shot_all_reduce", "one_shot_all_reduce_copy_out", "two_shot_all_reduce_")
@@ -231,6 +250,14 @@ class SymmMemAllReduce:
         self._handle: Any = None
         # One view per dtype of the same storage: [max_bytes // itemsize] each.
         self._views = {dtype: self._buffer.view(dtype) for dtype in FAST_DTYPES}
+        # The fused all-reduce + add + RMSNorm: int32 flags, then the data halves.
+        self._fused_data_bytes = 2 * self.world_size * FUSED_NORM_MAX_BYTES
+        self._fused_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
+            (_FUSED_FLAG_BYTES + self._fused_data_bytes,), (1,), torch.uint8, self.device)
+        self._fused_handle: Any = None
+        self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
+        self._data_ptrs: torch.Tensor | None = None
+        self._flag_ptrs: torch.Tensor | None = None
 
     def rendezvous(self) -> None:
         """Collective: map every peer's buffer, then run each algorithm once on known
@@ -238,6 +265,7 @@ class SymmMemAllReduce:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self._handle = symm_mem.rendezvous(self._buffer, self.group_name)
+        self._rendezvous_fused()
         expected = self.world_size * (self.world_size + 1) // 2
         for dtype in FAST_DTYPES:
             numel = min(4096, self.max_bytes // dtype.itemsize)
@@ -248,6 +276,53 @@ class SymmMemAllReduce:
                 if wrong:
                     raise RuntimeError(f"symmetric-memory {algorithm} all-reduce ({dtype}) "
                                        f"self-check: {wrong} of {numel} sums wrong")
+
+    def _rendezvous_fused(self) -> None:
+        """Map the fused kernel's buffers, zero the flags, and check one call per dtype on
+        known values (which also compiles the kernel before any graph capture)."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._fused_buffer[:_FUSED_FLAG_BYTES].zero_()
+        self._fused_handle = symm_mem.rendezvous(self._fused_buffer, self.group_name)
+        ptrs = list(self._fused_handle.buffer_ptrs)
+        self._flag_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        self._data_ptrs = self._flag_ptrs + _FUSED_FLAG_BYTES
+        torch.cuda.synchronize(self.device)
+        dist.barrier()  # no rank signals before every rank's flags are zero
+        hidden, expected = 4096, self.world_size * (self.world_size + 1) // 2 + 1
+        for dtype in FAST_DTYPES:
+            x = torch.full((2, hidden), self.rank + 1, dtype=dtype, device=self.device)
+            ones = torch.ones(hidden, dtype=dtype, device=self.device)
+            fused = self.all_reduce_add_rms_norm(x, torch.ones_like(x), ones, 1e-6)
+            assert fused is not None
+            out, residual = fused
+            wrong = int((residual != expected).sum().item()) + int(
+                ((out.float() - 1).abs() > 1e-2).sum().item())
+            if wrong:
+                raise RuntimeError(f"fused all-reduce + RMSNorm ({dtype}) self-check: "
+                                   f"{wrong} wrong values")
+            # The next dtype lays its rows out differently: no rank may still read these.
+            torch.cuda.synchronize(self.device)
+            dist.barrier()
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                                weight: torch.Tensor, eps: float
+                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused kernel's (normalized, new residual), or None where it does not apply:
+        a dtype or size it does not cover, or a layout it does not read."""
+        from models.kernels.all_reduce_norm import all_reduce_add_rms_norm, data_rows
+
+        if (not x.is_cuda or x.dim() != 2 or x.dtype not in FAST_DTYPES
+                or x.numel() * x.element_size() > FUSED_NORM_MAX_BYTES
+                or x.stride(-1) != 1 or residual.stride(-1) != 1 or x.shape[0] == 0
+                or x.shape[0] > min(FUSED_NORM_ROWS, data_rows(
+                    self._fused_data_bytes, self.world_size, x.shape[1], x.dtype))
+                or self.world_size & (self.world_size - 1)):
+            return None
+        return all_reduce_add_rms_norm(
+            x, residual, weight, eps, data_ptrs=self._data_ptrs,
+            data_bytes=self._fused_data_bytes, flag_ptrs=self._flag_ptrs,
+            epochs=self._epochs, rank=self.rank, world_size=self.world_size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
@@ -280,6 +355,9 @@ class SymmMemAllReduce:
         self._views = {}
         self._handle = None
         self._buffer = None
+        self._fused_handle = None
+        self._fused_buffer = None
+        self._data_ptrs = self._flag_ptrs = None
 
 
 @dataclass

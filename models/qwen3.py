@@ -33,8 +33,9 @@ class Qwen3Attention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
+        # Partial sums: the next norm reduces them (fused with its add where it can).
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
-                                        config.hidden_size, bias=False)
+                                        config.hidden_size, bias=False, reduce_results=False)
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = rotary_emb  # shared by all layers
@@ -72,7 +73,7 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           bias=False)
+                                           bias=False, reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,14 +91,17 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add is fused into the next norm: returns (mlp output, residual).
+        # The residual add is fused into the next norm, and so is the tensor-parallel sum
+        # of the attention and MLP outputs: returns (mlp partial output, residual).
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual,
+                                                           reduce=True)
         hidden_states = self.self_attn(positions, hidden_states, meta)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual,
+                                                                reduce=True)
         return self.mlp(hidden_states), residual
 
 
@@ -118,7 +122,7 @@ class Qwen3Model(nn.Module):
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual, reduce=True)
         return hidden_states
 
 

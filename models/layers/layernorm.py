@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from models.layers.fusion import fused
+from models.parallel import tp_all_reduce, tp_all_reduce_add_rms_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,10 +30,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`: x + residual is normalized and also returned
-        as the new residual, i.e. (norm(x + residual), x + residual)."""
+        as the new residual, i.e. (norm(x + residual), x + residual). With `reduce` (and a
+        residual), x is a tensor-parallel partial sum that is summed over the ranks first,
+        in one kernel with the add and the norm where the fast all-reduce covers it."""
         if residual is None:
             return fused(rms_norm, x)(x, self.weight, self.eps)
+        if reduce:
+            done = tp_all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            if done is not None:
+                return done
+            x = tp_all_reduce(x)
         return fused(add_rms_norm, x)(x, residual, self.weight, self.eps)

@@ -143,9 +143,14 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """y = x W^T with W's columns (input features) split; partial sums all-reduced."""
+    """y = x W^T with W's columns (input features) split; partial sums all-reduced.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    With `reduce_results=False` the layer returns this rank's partial sum and its consumer
+    reduces it (an RMSNorm with `reduce=True` does that in one kernel with its add)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
+        self.reduce_results = reduce_results
         self.input_size = input_size
         self.input_per_rank = divide(input_size, get_tp_size(), "input_size")
         super().__init__(self.input_per_rank, output_size, bias)
@@ -164,4 +169,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_per_rank] -> [num_tokens, output_size]
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(linear(x, self.weight, bias))
+        out = linear(x, self.weight, bias)
+        return tp_all_reduce(out) if self.reduce_results else out

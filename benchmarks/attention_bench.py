@@ -76,12 +76,14 @@ def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
         AttentionLaunch,
         choose_launch,
         paged_attention,
+        split_counters,
         split_workspace,
     )
 
     heads, kv_heads, dim = layout
     rng = random.Random(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counters = split_counters(1 << 16, "cuda")
     print(f"{'batch':>6}{'contexts':>12}" + "".join(f"{f'S={s}':>9}" for s in SPLITS)
           + f"{'chosen':>9}")
     for batch in (8, 16, 32, 48, 64, 96, 128, 192, 256):
@@ -99,13 +101,61 @@ def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
                 ws = split_workspace(batch, heads, splits, dim, query.device)
                 ms = do_bench(functools.partial(
                     paged_attention, query, kv_cache[0], kv_cache[1], meta.cu_seqlens_q,
-                    meta.seq_lens, meta.block_tables, dim ** -0.5, launch, workspace=ws))
+                    meta.seq_lens, meta.block_tables, dim ** -0.5, launch, workspace=ws,
+                    counters=counters))
                 cells.append(f"{kv_bytes / ms / 1e9:>8.2f}T")
             print(f"{batch:>6}{ctx_name:>12}" + "".join(f"{c:>9}" for c in cells)
                   + f"{f'S={base.num_splits}':>9}")
 
 
 SPLITS = (1, 2, 4, 8, 16, 32)
+TILES = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8)
+         for stages in (2, 3, 4)]
+
+
+def sweep_tiles(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
+    """Decode attention KV bandwidth per (block_n, num_warps, num_stages) at the split count
+    choose_launch picks, over workload-like batches (contexts uniform 100..2048), to tune
+    its tile choice; prints the best tiles per batch and the chosen launch's figure."""
+    import random
+
+    from triton.testing import do_bench
+
+    from models.kernels.paged_attention import (
+        AttentionLaunch,
+        choose_launch,
+        paged_attention,
+        split_counters,
+    )
+
+    heads, kv_heads, dim = layout
+    rng = random.Random(0)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counters = split_counters(1 << 16, "cuda")  # as the backend keeps: no memset per call
+    for batch in (32, 64, 128, 256):
+        rows = [(rng.randint(100, 2048) - 1, 1) for _ in range(batch)]
+        query, kv_cache, meta = _build(rows, layout, block_size, dtype)
+        kv_bytes, _ = _work(rows, layout, dtype)
+        base = choose_launch(num_tokens=batch, num_seqs=batch, num_kv_heads=kv_heads,
+                             num_q_per_kv=heads // kv_heads, dtype=dtype, max_query_len=1,
+                             max_seq_len=0, decode_only=True, num_sms=num_sms)
+        results = []
+        for block_n, warps, stages in TILES + [(base.block_n, base.num_warps,
+                                                base.num_stages)]:
+            launch = AttentionLaunch(base.block_q, block_n, base.num_splits, warps, stages)
+            try:
+                ms = do_bench(functools.partial(
+                    paged_attention, query, kv_cache[0], kv_cache[1], meta.cu_seqlens_q,
+                    meta.seq_lens, meta.block_tables, dim ** -0.5, launch,
+                    counters=counters))
+            except Exception as exc:  # out of shared memory etc.: skip the tile
+                print(f"  b={batch} n{block_n} w{warps} s{stages}: {type(exc).__name__}")
+                continue
+            results.append((kv_bytes / ms / 1e9, f"n{block_n} w{warps} s{stages}"))
+        chosen = results.pop()
+        best = sorted(results, reverse=True)[:4]
+        print(f"batch {batch:>4} (S={base.num_splits}): chosen {chosen[1]} {chosen[0]:.2f} "
+              f"TB/s; best " + ", ".join(f"{name} {tb:.2f}" for tb, name in best))
 
 
 def main() -> None:
@@ -116,9 +166,16 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--sweep-splits", action="store_true",
                         help="decode KV bandwidth (TB/s) per split count instead")
+    parser.add_argument("--sweep-tiles", action="store_true",
+                        help="decode KV bandwidth (TB/s) per tile shape instead")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"GPU: {torch.cuda.get_device_name()}  dtype={args.dtype}")
+    if args.sweep_tiles:
+        for layout_name in args.layouts.split(","):
+            print(f"triton decode, {layout_name}, block size {args.block_size}: KV TB/s")
+            sweep_tiles(LAYOUTS[layout_name], args.block_size, dtype)
+        return
     if args.sweep_splits:
         for layout_name in args.layouts.split(","):
             print(f"triton decode, {layout_name}, block size {args.block_size}: KV TB/s")

@@ -42,6 +42,7 @@ def main(args: argparse.Namespace) -> int:
     prompts = [r.prompt_token_ids for r in reqs]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)  # warm-up
     llm.engine.total_stats = stats = StepStats(num_steps=0)
+    compiled = _triton_variants()
     profiler = _start_profiler() if args.profile else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -55,6 +56,10 @@ def main(args: argparse.Namespace) -> int:
     tps = total / elapsed
     print(f"Total: {total} tok, Time: {elapsed:.2f}s, Throughput: {tps:.2f} tok/s")
     busy = stats.seconds - stats.wait_seconds
+    new = {k: n - compiled.get(k, 0) for k, n in _triton_variants().items()
+           if n > compiled.get(k, 0)}
+    # A compile mid-run stalls the host between two launches of a step: device time lost.
+    print(f"Triton kernels compiled during the run: {new or 'none'}")
     print(f"{stats.num_steps} steps; host busy {busy:.2f} s ({busy / stats.num_steps * 1e3:.2f} "
           f"ms/step), waiting on the device {stats.wait_seconds:.2f} s, device busy "
           f"{stats.device_seconds:.2f} s ({stats.device_seconds / stats.num_steps * 1e3:.2f} "
@@ -72,13 +77,30 @@ def main(args: argparse.Namespace) -> int:
 # Kernel name fragments -> group, first match wins (Triton kernels keep their function
 # names; cuBLAS GEMMs carry "gemm"/"gemv" or the CUTLASS "sm90_xmma" family names).
 _KERNEL_GROUPS = (
-    ("attention", ("_paged_attention", "_combine_splits", "flash")),
+    ("attention", ("_paged_attention", "flash")),
     ("kv store / qk-norm-rope", ("store_kv", "qk_norm_rope", "_store")),
     ("gemm / gemv", ("gemm", "gemv", "xmma", "cutlass", "sm90", "matmul")),
     ("sampling", ("_race_partial", "_combine_kernel", "sample", "argmax", "softmax")),
     ("all-reduce / nccl", ("nccl", "all_reduce", "allreduce", "symm")),
     ("norms, silu (inductor)", ("triton_poi", "triton_red", "triton_per")),
 )
+
+
+def _triton_variants() -> dict[str, int]:
+    """Compiled variants per nanoserve Triton kernel (all devices)."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for name in ("paged_attention", "gemv", "qk_norm_rope", "sample", "store_kv",
+                 "all_reduce_norm"):
+        module = importlib.import_module(f"models.kernels.{name}")
+        for attr, fn in vars(module).items():
+            if isinstance(fn, JITFunction):
+                caches = getattr(fn, "device_caches", {}).values()
+                counts[attr] = sum(len(c[0]) for c in caches)
+    return counts
 
 
 def _start_profiler():

@@ -277,10 +277,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Compile now what the first requests would otherwise wait for: torch.compile's
-        dynamic-shape kernels (its second distinct shape recompiles) and the attention
-        kernel's prefill launch variants. Writes KV into scratch blocks no sequence owns
-        yet; every block is written before it is read once allocated."""
+        """Compile now what the first requests would otherwise wait for: every attention
+        launch variant, and torch.compile's dynamic-shape kernels (its second distinct shape
+        recompiles). Writes KV into scratch blocks no sequence owns yet; every block is
+        written before it is read once allocated."""
+        attn = self.model.attention_layers()[0]
+        self.backend.warm_up(attn.kv_cache, attn.num_heads)
         for query_lens, seq_lens in self._WARM_UP_BATCHES:
             seq_lens = [min(n, self.config.max_model_len) for n in seq_lens]
             query_lens = [min(q, n) for q, n in zip(query_lens, seq_lens, strict=True)]

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 
-CHECKS = ["store_kv", "backend", "launches"]
+CHECKS = ["store_kv", "backend", "launches", "split_merge", "split_counters_reused",
+          "split_matches_unsplit", "counter_picks_merger"]
 
 
 @pytest.fixture(scope="module", params=[4, 16], ids=lambda bs: f"block_size={bs}")
@@ -32,6 +33,32 @@ def test_kernel_check_interpreted(interpreter_run: str, check: str) -> None:
     assert_check_passed(interpreter_run, check)
 
 
+def test_launch_variants_cover_every_choice() -> None:
+    """The engine compiles launch_variants at start-up; a launch choose_launch returns outside
+    that list would compile in the middle of serving. Sweep batch shapes of every kind."""
+    import torch
+
+    from models.kernels.paged_attention import choose_launch, launch_variants
+
+    for num_q_per_kv, num_kv_heads in ((1, 8), (2, 8), (4, 8), (8, 2), (16, 1)):
+        for dtype in (torch.bfloat16, torch.float32):
+            variants = set(launch_variants(num_q_per_kv, dtype))
+            seen = set()
+            for num_seqs in (1, 2, 3, 5, 8, 13, 32, 100, 256):
+                for query_len in (1, 3, 17, 64, 500):
+                    for max_seq_len in (1, 600, 1024, 5000):
+                        for num_sms in (8, 132):
+                            launch = choose_launch(
+                                num_tokens=num_seqs * query_len, num_seqs=num_seqs,
+                                num_kv_heads=num_kv_heads, num_q_per_kv=num_q_per_kv,
+                                dtype=dtype, max_query_len=query_len,
+                                max_seq_len=max(max_seq_len, query_len),
+                                decode_only=query_len == 1, num_sms=num_sms)
+                            assert launch in variants, (launch, num_seqs, query_len)
+                            seen.add(launch)
+            assert len(seen) > 2  # the sweep reached split and unsplit, decode and prefill
+
+
 # --------------------------------------------------------------------------- subprocess side
 
 
@@ -40,7 +67,13 @@ def _main(block_size: int) -> None:
 
     from models.attention_metadata import make_attention_metadata
     from models.backends.triton_backend import TritonAttentionBackend
-    from models.kernels.paged_attention import AttentionLaunch, paged_attention, split_workspace
+    from models.kernels.paged_attention import (
+        AttentionLaunch,
+        _merge_rows,
+        paged_attention,
+        split_counters,
+        split_workspace,
+    )
 
     torch.manual_seed(1234 + block_size)
     nan = float("nan")
@@ -137,7 +170,102 @@ def _main(block_size: int) -> None:
                             meta.block_tables, dim**-0.5, launch, out=out, workspace=workspace)
             err = rel_err(out, ref, meta)
             assert err < 1e-4, (block_q, block_n, splits, err)
-    run_checks(list(zip(CHECKS, [check_store_kv, check_backend, check_launches], strict=True)))
+
+    def split_run(q, kv_cache, meta, dim, launch, counters, workspace=None):
+        """paged_attention with NaN-poisoned out and partials (every one must be written)."""
+        out = torch.full_like(q, nan)
+        if workspace is None:
+            workspace = tuple(torch.full_like(w, nan) for w in split_workspace(
+                q.shape[0], q.shape[1], launch.num_splits, dim, q.device))
+        paged_attention(q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.seq_lens,
+                        meta.block_tables, dim**-0.5, launch, out=out, workspace=workspace,
+                        counters=counters)
+        return out
+
+    def padded_decode_batch(cached_lens, heads, kv_heads, dim):
+        """Decode rows plus a last padding row of seq_len 0 (as CUDA-graph batches pad)."""
+        q, key, value, kv_cache, meta, ref, *_ = make_batch(
+            [(c, 1) for c in cached_lens] + [(0, 1)], heads, kv_heads, dim)
+        TritonAttentionBackend().store_kv(key, value, kv_cache, meta.slot_mapping)
+        meta.seq_lens[-1] = 0
+        meta.cu_seqlens_q_cpu = meta.cu_seqlens_q_cpu[:-1]  # rel_err: the real rows only
+        return q, kv_cache, meta, ref
+
+    # Shorter than the split count and than one key tile: most partitions are empty.
+    short_and_long = [0, 1, 2, 4, 37, 70, 150]
+    def check_split_merge():
+        chunked = False
+        cases = [((4, 2, 32), (2, 4, 8)), ((4, 1, 16), (4,)), ((2, 2, 64), (8,)),
+                 ((8, 1, 128), (16,))]
+        for (heads, kv_heads, dim), split_counts in cases:
+            group_pad = 1 << (heads // kv_heads - 1).bit_length()
+            q, kv_cache, meta, ref = padded_decode_batch(short_and_long, heads, kv_heads, dim)
+            for splits in split_counts:
+                launch = AttentionLaunch(block_q=max(1, 16 // group_pad), block_n=16,
+                                         num_splits=splits)
+                # a decode tile has group_pad rows: fewer per merge step = several steps
+                chunked |= _merge_rows(16, splits, dim, launch.num_warps) < group_pad
+                counters = split_counters(64, q.device)
+                out = split_run(q, kv_cache, meta, dim, launch, counters)
+                err = rel_err(out[:-1], ref, meta)
+                assert err < 1e-4, (heads, kv_heads, dim, splits, err)
+                assert torch.equal(out[-1], torch.zeros_like(out[-1])), "seq_len 0 row"
+                assert torch.count_nonzero(counters) == 0, "counters not left zeroed"
+        assert chunked, "no case merged a decode tile in several row chunks"
+    def check_split_counters_reused():
+        heads, kv_heads, dim = 4, 2, 32
+        counters = split_counters(64, "cpu")  # one buffer, launches of different shapes
+        batches = [padded_decode_batch(short_and_long, heads, kv_heads, dim),
+                   padded_decode_batch([90, 3, 0, 41], heads, kv_heads, dim)]
+        for (q, kv_cache, meta, ref), splits in zip(batches, (4, 8), strict=True):
+            launch = AttentionLaunch(block_q=8, block_n=16, num_splits=splits)
+            for _ in range(2):  # and the same launch twice
+                out = split_run(q, kv_cache, meta, dim, launch, counters)
+                assert rel_err(out[:-1], ref, meta) < 1e-4, splits
+                assert torch.count_nonzero(counters) == 0, "counters not left zeroed"
+        q, kv_cache, meta, _ = batches[0]
+        try:  # 8 rows // block_q 8 + 8 seqs = 9 tiles x 2 kv heads = 18 counters needed
+            split_run(q, kv_cache, meta, dim, launch, split_counters(17, "cpu"))
+        except AssertionError as exc:
+            assert "split counters" in str(exc), exc
+        else:
+            raise AssertionError("a too-small counter buffer was accepted")
+    def check_split_matches_unsplit():
+        heads, kv_heads, dim = 4, 2, 64
+        rows = mixed + [(20, 40)]  # a full 32-token tile: 64 rows
+        q, key, value, kv_cache, meta, ref, *_ = make_batch(rows, heads, kv_heads, dim)
+        TritonAttentionBackend().store_kv(key, value, kv_cache, meta.slot_mapping)
+        unsplit = split_run(q, kv_cache, meta, dim,
+                            AttentionLaunch(block_q=32, block_n=16, num_splits=1), None)
+        assert rel_err(unsplit, ref, meta) < 1e-4
+        assert _merge_rows(64, 8, dim, 4) < 64, "no case merges a prefill tile in chunks"
+        for splits in (2, 4, 8):
+            launch = AttentionLaunch(block_q=32, block_n=16, num_splits=splits)
+            out = split_run(q, kv_cache, meta, dim, launch, split_counters(64, "cpu"))
+            diff = (out - unsplit).abs().max().item()
+            assert diff < 1e-5 * unsplit.abs().max().item(), (splits, diff)
+    def check_counter_picks_merger():
+        # The interpreter runs a tile's partitions in order, so partition S-1 always arrives
+        # last. Counters left at 1 make partition S-2 see S-1 arrivals: if the counter (not
+        # the partition index) picks the merger, it merges before partition S-1 has written
+        # its (NaN-poisoned) partials, so every row comes out NaN, and each counter ends at
+        # 1 (the merger's 0 plus partition S-1's arrival).
+        heads, kv_heads, dim = 4, 2, 32
+        q, kv_cache, meta, ref = padded_decode_batch([150, 3], heads, kv_heads, dim)
+        launch = AttentionLaunch(block_q=8, block_n=16, num_splits=2)
+        counters = torch.ones(64, dtype=torch.int32)
+        out = split_run(q, kv_cache, meta, dim, launch, counters)
+        assert out.isnan().all(), "a partition merged before every partial was written"
+        used = (q.shape[0] // launch.block_q + meta.seq_lens.shape[0]) * kv_heads
+        assert torch.equal(counters[:used], torch.ones(used, dtype=torch.int32)), counters
+        counters.zero_()  # the same poisoned launch with zeroed counters is right
+        assert rel_err(split_run(q, kv_cache, meta, dim, launch, counters)[:-1], ref,
+                       meta) < 1e-4
+
+    run_checks(list(zip(CHECKS, [check_store_kv, check_backend, check_launches,
+                                 check_split_merge, check_split_counters_reused,
+                                 check_split_matches_unsplit, check_counter_picks_merger],
+                        strict=True)))
 
 
 if __name__ == "__main__":

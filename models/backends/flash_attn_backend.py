@@ -78,6 +78,9 @@ class FlashAttnBackend:
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale, causal=True, block_table=meta.block_tables)
 
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+        """Nothing to compile ahead of serving."""
+
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention over each row's own tokens (profiling pass, no cache yet)."""

@@ -76,6 +76,9 @@ class TorchAttentionBackend:
             out[start:end] = _attend(query[start:end], key, value, scale)
         return out
 
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+        """Nothing to compile ahead of serving."""
+
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention over this step's own tokens per row (no cache yet, so every

@@ -8,6 +8,11 @@ same shape): `query`, `kv_cache`, `meta.cu_seqlens_q` [B+1], `meta.seq_lens` [B]
 `meta.slot_mapping` [B]. Host fields (`max_query_len`, `max_seq_len`, `seq_lens_cpu`,
 `cu_seqlens_q_cpu`) are not read on the decode path. Padding rows of a graph batch may use
 seq_len 0 (output zeros) and slot -1 (nothing stored).
+
+Split-KV launches merge their partitions through int32 arrival counters that every launch
+leaves zeroed; the backend keeps one such buffer per device and passes it to every launch
+(eager and captured alike), so it must be created by an eager step before any capture —
+the warm-up that compiles the kernels does that — and its launches run on one stream.
 """
 
 from __future__ import annotations
@@ -15,12 +20,21 @@ from __future__ import annotations
 import torch
 
 from models.attention_metadata import AttentionMetadata
-from models.kernels.paged_attention import choose_launch, paged_attention
+from models.kernels.paged_attention import (
+    choose_launch,
+    launch_variants,
+    paged_attention,
+    split_counters,
+)
 from models.kernels.qk_norm_rope import qk_norm_rope_store
 from models.kernels.store_kv import store_kv
 
 # SM count assumed off-GPU (TRITON_INTERPRET runs on CPU tensors).
 _CPU_NUM_SMS = 8
+# Split-KV counters per device (256 KiB). choose_launch splits only launches of fewer than
+# 2 * num_sms programs, whose tiles need < 4 * num_sms counters; the buffer is never
+# regrown because captured graphs keep its address.
+_NUM_SPLIT_COUNTERS = 1 << 16
 
 
 def _num_leading_decode_rows(cu_seqlens_q: list[int]) -> int:
@@ -43,12 +57,24 @@ class TritonAttentionBackend:
 
     def __init__(self, num_sms: int | None = None) -> None:
         self._num_sms = num_sms  # None: ask the device on first use
+        self._split_counters: dict[torch.device, torch.Tensor] = {}  # [65536] int32 zeros
 
     def num_sms(self, device: torch.device) -> int:
         if self._num_sms is None:
             self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                              if device.type == "cuda" else _CPU_NUM_SMS)
         return self._num_sms
+
+    def split_kv_counters(self, device: torch.device) -> torch.Tensor:
+        """This device's zeroed split-KV counter buffer, shared by all launches."""
+        counters = self._split_counters.get(device)
+        if counters is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("split-KV counters are created by an eager step: run the "
+                                   "attention once before capturing a CUDA graph")
+            counters = self._split_counters[device] = split_counters(_NUM_SPLIT_COUNTERS,
+                                                                     device)
+        return counters
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -75,10 +101,10 @@ class TritonAttentionBackend:
                          meta.seq_lens[:num_decode], meta.block_tables[:num_decode], scale,
                          out[:num_decode], decode_only=True, max_query_len=1,
                          max_seq_len=meta.max_seq_len)
-            self._launch(query[num_decode:], kv_cache, meta.cu_seqlens_q[num_decode:],
-                         meta.seq_lens[num_decode:], meta.block_tables[num_decode:], scale,
-                         out[num_decode:], decode_only=False, max_query_len=meta.max_query_len,
-                         max_seq_len=meta.max_seq_len, q_base=num_decode)
+            self._launch(query[num_decode:], kv_cache, meta.cu_seqlens_q, meta.seq_lens,
+                         meta.block_tables, scale, out[num_decode:], decode_only=False,
+                         max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                         q_base=num_decode, seq_base=num_decode)
         else:
             # Decode launches ignore lengths (see choose_launch): graph replays stay valid.
             self._launch(query, kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
@@ -90,15 +116,33 @@ class TritonAttentionBackend:
     def _launch(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                 out: torch.Tensor, *, decode_only: bool, max_query_len: int,
-                max_seq_len: int, q_base: int = 0) -> None:
+                max_seq_len: int, q_base: int = 0, seq_base: int = 0) -> None:
         num_kv_heads = kv_cache.shape[3]
         launch = choose_launch(
-            num_tokens=query.shape[0], num_seqs=seq_lens.shape[0], num_kv_heads=num_kv_heads,
+            num_tokens=query.shape[0], num_seqs=seq_lens.shape[0] - seq_base,
+            num_kv_heads=num_kv_heads,
             num_q_per_kv=query.shape[1] // num_kv_heads, dtype=query.dtype,
             max_query_len=max_query_len, max_seq_len=max_seq_len, decode_only=decode_only,
             num_sms=self.num_sms(query.device))
         paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens, block_tables,
-                        scale, launch, out=out, q_base=q_base)
+                        scale, launch, out=out, q_base=q_base, seq_base=seq_base,
+                        counters=self.split_kv_counters(query.device))
+
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+        """Compile every attention launch variant for this layer layout now (one tiny batch
+        each), so none compiles in the middle of serving: a compile there stalls every
+        request in the step for a second. kv_cache [2, num_blocks, block_size, Hkv, D]; its
+        block 0 is read, nothing is written to it."""
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        device = kv_cache.device
+        query = torch.zeros(1, num_heads, head_dim, dtype=kv_cache.dtype, device=device)
+        cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        for launch in launch_variants(num_heads // num_kv_heads, kv_cache.dtype):
+            paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens,
+                            block_tables, head_dim ** -0.5, launch,
+                            counters=self.split_kv_counters(device))
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -122,4 +166,5 @@ class TritonAttentionBackend:
             num_sms=self.num_sms(query.device))
         # [T, 1, Hkv, D]: one slot per block
         return paged_attention(query, key.unsqueeze(1), value.unsqueeze(1), cu, seq_lens,
-                               block_tables, scale, launch)
+                               block_tables, scale, launch,
+                               counters=self.split_kv_counters(query.device))

@@ -16,9 +16,15 @@ sequence of a tile is found on the device by a binary search over `cu_seqlens_q`
 
 Split-KV (flash-decoding): with few programs, each tile's key range is cut into
 `num_splits` partitions; every partition writes its partial (max, sum, acc) to a float32
-workspace and `_combine_splits_kernel` merges them. Partition sizes are computed in the
-kernel from each row's own length, so a fixed `num_splits` serves any context length —
-what a captured CUDA graph needs.
+workspace. Partition sizes are computed in the kernel from each row's own length, so a
+fixed `num_splits` serves any context length — what a captured CUDA graph needs. The merge
+needs no second launch: each partition then arrives on its tile's int32 counter (an
+acq_rel atomic at GPU scope, after a barrier, so its partials are visible first), and the
+partition that arrives last reads every partition's partials from L2, merges them into
+`out` and stores 0 back. The merge reads the partials of all partitions in one fixed
+order whichever partition ran it, so results are bitwise deterministic; and since every
+launch leaves its counters at zero, one zeroed buffer (`split_counters`) serves every
+launch on a stream and every CUDA-graph replay, with no memset.
 """
 
 import functools
@@ -38,24 +44,31 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 # Per-step ints are not specialised on (== 1, divisible by 16): each new combination would
 # be a fresh compile in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_base", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "q_base", "seq_base", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
+    ws_acc_ptr, ws_max_ptr, ws_sum_ptr, counters_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, num_heads, block_size, num_splits, q_base,
+    qk_scale, num_seqs, num_heads, block_size, q_base, seq_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_bt,
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    # block_size and num_splits are runtime ints: one compiled kernel serves every block
-    # size and split count; they only touch [BLOCK_N]-sized index vectors.
+    # block_size is a runtime int: one compiled kernel serves every block size. NUM_SPLITS
+    # is compile-time because the merge loads [rows, NUM_SPLITS, HEAD_DIM] tiles; split
+    # counts are few powers of two, and unsplit launches always compile with 1.
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # A sub-batch starts at row seq_base of the step's metadata. An offset, not sliced
+    # tensors: a slice's pointer alignment would be a compile key (a new compile mid-run).
+    cu_seqlens_q_ptr += seq_base
+    seq_lens_ptr += seq_base
+    block_tables_ptr += seq_base.to(tl.int64) * stride_bt
 
     # With q = cu_seqlens_q - q_base (q_base: first token of a sub-batch), sequence b owns
     # programs [q[b] // BLOCK_Q + b, q[b+1] // BLOCK_Q + b + 1): at least cdiv(q_len_b,
@@ -92,8 +105,8 @@ def _paged_attention_kernel(
 
     # Causal: no row of this tile sees keys past its last query token.
     kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
-    if SPLIT_KV:
-        part = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        part = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_lo = split * part
         kv_end = tl.minimum(kv_hi, kv_lo + part)
     else:
@@ -125,12 +138,23 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if SPLIT_KV:
-        ws = (t * num_heads + head) * num_splits + split  # [BLOCK_M] workspace row
+    if NUM_SPLITS > 1:
+        ws = (t * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] workspace row
         tl.store(ws_max_ptr + ws, m_i, mask=row_ok)
         tl.store(ws_sum_ptr + ws, l_i, mask=row_ok)
         tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :], acc,
                  mask=row_ok[:, None])
+        # Every thread's partials are stored before the one atomic of this program; its
+        # release makes them visible to the last arriver, whose acquire orders its reads.
+        tl.debug_barrier()
+        counter = counters_ptr + pid * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            _merge_splits(out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
+                          q_start, q_len, tile, kv_head, num_heads, stride_ot, stride_oh,
+                          NUM_Q_PER_KV, GROUP_PAD, BLOCK_Q, BLOCK_M, HEAD_DIM, NUM_SPLITS,
+                          MERGE_ROWS)
+            tl.store(counter, 0)  # zero again for the next launch / graph replay
     else:
         # l_i == 0 only for an empty context (seq_len 0 padding rows): write zeros, not NaN.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -139,21 +163,44 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(
+def _merge_splits(
     out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
-    stride_ot, stride_oh, num_heads,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    q_start, q_len, tile, kv_head, num_heads, stride_ot, stride_oh,
+    NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    ws = (t * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
-    m = tl.load(ws_max_ptr + ws)
-    weight = tl.exp2(m - tl.max(m, axis=0))  # empty partitions: l == 0, weight irrelevant
-    total = tl.sum(weight * tl.load(ws_sum_ptr + ws), axis=0)
+    """out rows of one tile = the partitions' partials merged; run by the last arriver.
+
+    MERGE_ROWS rows at a time bound the [rows, splits, head_dim] float32 tile in registers;
+    the loop stops at the tile's last query token, so a decode tile (one token) reads only
+    its group's rows. Loads use .cg: the partials were written by other SMs and must come
+    from L2, never from a stale L1 line.
+    """
     dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, HEAD_DIM]
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    splits = tl.arange(0, NUM_SPLITS)
+    num_rows = tl.minimum(BLOCK_M, (q_len - tile * BLOCK_Q) * GROUP_PAD)
+    for r0 in range(0, num_rows, MERGE_ROWS):
+        rows = r0 + tl.arange(0, MERGE_ROWS)
+        tok = tile * BLOCK_Q + rows // GROUP_PAD
+        group_head = rows % GROUP_PAD
+        head = kv_head * NUM_Q_PER_KV + group_head
+        row_ok = (tok < q_len) & (group_head < NUM_Q_PER_KV)  # [MERGE_ROWS]
+        t = (q_start + tok).to(tl.int64)
+        ws = (t * num_heads + head)[:, None] * NUM_SPLITS + splits[None, :]  # [R, S]
+        m = tl.load(ws_max_ptr + ws, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        l_sum = tl.load(ws_sum_ptr + ws, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        acc = tl.load(ws_acc_ptr + ws[:, :, None] * HEAD_DIM + dims[None, None, :],
+                      mask=row_ok[:, None, None], other=0.0,
+                      cache_modifier=".cg")  # [MERGE_ROWS, NUM_SPLITS, HEAD_DIM]
+        # Empty partitions carry max _NEG_BIG and sum 0: weight 0 next to any real one, and
+        # an all-empty row (seq_len 0) divides 0 by 1.
+        weight = tl.exp2(m - tl.max(m, axis=1)[:, None])  # [R, S]
+        total = tl.sum(weight * l_sum, axis=1)  # [R]
+        out = tl.sum(acc * weight[:, :, None], axis=1) / tl.where(total > 0.0, total, 1.0)[
+            :, None]  # [MERGE_ROWS, HEAD_DIM]
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @dataclass(frozen=True)
@@ -192,26 +239,46 @@ def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_pe
     replays the same launch for any context lengths.
     """
     group_pad = _group_pad(num_q_per_kv)
-    min_block_q = max(1, 16 // group_pad)  # tl.dot needs >= 16 rows
+    decode_q, prefill_q = _block_qs(group_pad)
     if decode_only:
-        block_q = min_block_q
+        block_q = decode_q
         programs = num_seqs * num_kv_heads
     else:
-        # Up to 64 rows per tile; fewer when every query chunk of the batch is short.
-        block_q = min(triton.next_power_of_2(max(1, max_query_len)), max(1, 64 // group_pad))
-        block_q = max(block_q, min_block_q)
+        # One tile height for every other launch (even when all chunks are short): each
+        # distinct height would be one more compile, and launch_variants must list them all.
+        block_q = prefill_q
         programs = (num_tokens // block_q + num_seqs) * num_kv_heads
     num_splits = 1
     long_enough = decode_only or max_seq_len >= MIN_SPLIT_CONTEXT
     if programs < 2 * num_sms and long_enough:
         num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, programs)))
-    block_m = block_q * group_pad
+    return _tiles(block_q, num_splits, group_pad, dtype)
+
+
+def _block_qs(group_pad: int) -> tuple[int, int]:
+    """Query tokens per tile: (decode launches, all others). Decode tiles hold one token's
+    group padded to tl.dot's 16 rows; the others up to 64 rows."""
+    decode_q = max(1, 16 // group_pad)
+    return decode_q, max(decode_q, 64 // group_pad)
+
+
+def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype
+           ) -> AttentionLaunch:
     return AttentionLaunch(
         block_q=block_q,
         block_n=32 if dtype == torch.float32 else 64,  # fp32 tiles take twice the smem
         num_splits=num_splits,
-        num_warps=8 if block_m > 64 else 4,
+        num_warps=8 if block_q * group_pad > 64 else 4,
     )
+
+
+def launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaunch]:
+    """Every launch choose_launch can return for a head layout and dtype (each one compiled
+    kernel): what an engine compiles at start-up instead of in the middle of serving."""
+    group_pad = _group_pad(num_q_per_kv)
+    splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
+    return [_tiles(block_q, s, group_pad, dtype) for block_q in sorted(set(_block_qs(group_pad)))
+            for s in splits]
 
 
 def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
@@ -222,6 +289,21 @@ def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: 
     row_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
     row_sum = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
     return acc, row_max, row_sum
+
+
+def split_counters(num_counters: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 arrival counters of split-KV, one per (tile program, kv_head) of a
+    launch; every launch leaves them zeroed, so a caller keeps one buffer per device."""
+    return torch.zeros(num_counters, dtype=torch.int32, device=device)
+
+
+def _merge_rows(block_m: int, num_splits: int, head_dim: int, num_warps: int) -> int:
+    """Rows the split merge takes at a time: its [rows, splits, head_dim] float32 tile
+    stays near 32 registers per thread. (64 put a decode program of Qwen3's layout at 131
+    registers, up from 112 before the merge moved in: fewer programs resident per SM; 32
+    keeps it at 84-92.)"""
+    budget = 32 * 32 * num_warps  # float32 values
+    return max(1, min(block_m, budget // (num_splits * head_dim)))
 
 
 def paged_attention(
@@ -236,24 +318,36 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     q_base: int = 0,
+    counters: torch.Tensor | None = None,  # [>= grid0 * num_kv_heads] int32 zeros
+    seq_base: int = 0,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context.
 
-    Query/out row of token i of sequence b: `cu_seqlens_q[b] - q_base + i`; `q_base` lets a
-    sub-batch (rows b0.. of a step, cu_seqlens_q[b0:], query[cu[b0]:]) launch on its own.
-    Output rows not covered by any sequence are unspecified.
+    The batch is rows `seq_base..` of `cu_seqlens_q`, `seq_lens` and `block_tables`; the
+    query/out row of token i of sequence b is `cu_seqlens_q[b] - q_base + i`. Together they
+    let the rows b0.. of a step launch on their own (seq_base=b0, q_base=cu[b0],
+    query[cu[b0]:]) without slicing the metadata. Output rows not covered by any sequence
+    are unspecified.
+
+    Split launches (`launch.num_splits > 1`) use a float32 `workspace` (split_workspace)
+    and zeroed int32 `counters` (split_counters; one per tile program and kv head, i.e.
+    `(T // block_q + B) * num_kv_heads`) and leave the counters zeroed again, so launches
+    in one stream may share them (launches running concurrently may not). Either is
+    allocated here when not given; a caller that captures CUDA graphs passes `counters`,
+    or each launch would carry its own memset.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    num_seqs = seq_lens.shape[0]
+    num_seqs = seq_lens.shape[0] - seq_base
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
         f"head_dim must be a power of two >= 16, got {head_dim}")
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads vs {num_kv_heads} kv heads"
     assert value_cache.shape == key_cache.shape and key_cache.shape[3] == head_dim
     assert query.dtype == key_cache.dtype == value_cache.dtype, (
         f"query {query.dtype} vs cache {key_cache.dtype}/{value_cache.dtype}")
-    assert cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [num_seqs + 1]"
-    assert block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
+    assert 0 <= seq_base <= seq_lens.shape[0], f"seq_base {seq_base} past the batch"
+    assert cu_seqlens_q.shape == (seq_lens.shape[0] + 1,), "cu_seqlens_q must be [B + 1]"
+    assert block_tables.shape[0] == seq_lens.shape[0] and block_tables.stride(1) == 1
     for cache in (key_cache, value_cache):
         assert cache.stride(3) == 1, "cache head_dim must be contiguous"
         assert block_size == 1 or cache.stride(0) == block_size * cache.stride(1), (
@@ -271,35 +365,34 @@ def paged_attention(
     block_m = launch.block_q * group_pad
     assert block_m >= 16, f"block_q * padded group must be >= 16 rows, got {block_m}"
     splits = launch.num_splits
+    grid = (num_tokens // launch.block_q + num_seqs, num_kv_heads, splits)
     if splits > 1:
         ws_acc, ws_max, ws_sum = workspace or split_workspace(
             num_tokens, num_heads, splits, head_dim, query.device)
         assert ws_acc.shape == (num_tokens, num_heads, splits, head_dim)
+        need = grid[0] * num_kv_heads  # one per (tile program, kv_head)
+        if counters is None:
+            counters = split_counters(need, query.device)
+        assert counters.dtype == torch.int32 and counters.is_contiguous()
+        assert counters.numel() >= need, f"{counters.numel()} split counters, need {need}"
     else:
-        ws_acc = ws_max = ws_sum = out  # not touched without SPLIT_KV
+        ws_acc = ws_max = ws_sum = counters = out  # not touched without splits
     # With block_size 1 a "block" is one slot, so the slot stride is the block stride.
     k_slot = key_cache.stride(0) if block_size == 1 else key_cache.stride(1)
     v_slot = value_cache.stride(0) if block_size == 1 else value_cache.stride(1)
-    grid = (num_tokens // launch.block_q + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out,
-        ws_acc, ws_max, ws_sum,
+        ws_acc, ws_max, ws_sum, counters,
         cu_seqlens_q, seq_lens, block_tables,
-        scale * LOG2E, num_seqs, num_heads, block_size, splits, q_base,
+        scale * LOG2E, num_seqs, num_heads, block_size, q_base, seq_base,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_slot, key_cache.stride(2), v_slot, value_cache.stride(2),
         block_tables.stride(0),
         NUM_Q_PER_KV=num_q_per_kv, GROUP_PAD=group_pad,
         BLOCK_Q=launch.block_q, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-        HEAD_DIM=head_dim, SPLIT_KV=splits > 1,
+        HEAD_DIM=head_dim, NUM_SPLITS=splits,
+        MERGE_ROWS=_merge_rows(block_m, splits, head_dim, launch.num_warps),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out, ws_acc, ws_max, ws_sum,
-            out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=splits, HEAD_DIM=head_dim,
-            num_warps=4,
-        )
     return out

@@ -24,6 +24,7 @@ from models.kernels.paged_attention import (
     AttentionLaunch,
     choose_launch,
     paged_attention,
+    split_counters,
     split_workspace,
 )
 
@@ -308,6 +309,106 @@ def test_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
         err = max_row_rel_err(out[real], batch.ref, batch.meta.cu_seqlens_q_cpu)
         assert err < TOL[dtype], f"relative error {err:.2e}"
         assert torch.equal(out[-1], torch.zeros_like(out[-1])), "seq_len 0 row must be zeros"
+        counters = backend.split_kv_counters(query.device)
+        assert torch.count_nonzero(counters) == 0, "split counters not left zeroed"
+
+
+@pytest.mark.parametrize("splits", [2, 8, 32])
+def test_split_launch_graph_replay(splits: int) -> None:
+    """A split launch (merge by the last partition to arrive) captured once and replayed
+    with new lengths, some shorter than the split count: right outputs, counters zeroed."""
+    heads, kv_heads, dim = layout = (16, 8, 128)
+    dtype, block_size, num_seqs, max_ctx = torch.bfloat16, 16, 5, 6000  # last row: padding
+    max_blocks = -(-(max_ctx + 1) // block_size)
+    num_blocks = num_seqs * max_blocks + 1
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=dtype, device=DEVICE)
+    query = torch.zeros(num_seqs, heads, dim, dtype=dtype, device=DEVICE)
+    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.ones(num_seqs, dtype=torch.int32, device=DEVICE)
+    block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=DEVICE)
+    launch = AttentionLaunch(block_q=8, block_n=64, num_splits=splits)
+    workspace = split_workspace(num_seqs, heads, splits, dim, DEVICE)
+    counters = split_counters(1024, DEVICE)
+    out = torch.zeros_like(query)
+    scale = dim**-0.5
+
+    def step() -> None:
+        paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens, block_tables,
+                        scale, launch, out=out, workspace=workspace, counters=counters)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(counters) == 0, "the eager warm-up left counters set"
+
+    rng = random.Random(_seed("split_graph", splits))
+    gen = torch.Generator(device=DEVICE).manual_seed(_seed("split_graph", splits))
+    for lens in ([rng.randint(1, max_ctx + 1) for _ in range(num_seqs - 1)],
+                 [1, 2, rng.randint(3, 200), rng.randint(4000, max_ctx + 1)]):
+        batch = make_batch([(n - 1, 1) for n in lens], layout, block_size, dtype,
+                           rng.randrange(2**31))
+        kv_cache.fill_(NAN)
+        kv_cache[:, :batch.kv_cache.shape[1]] = batch.kv_cache
+        TritonAttentionBackend().store_kv(batch.key, batch.value, kv_cache,
+                                          batch.meta.slot_mapping)
+        real = slice(0, num_seqs - 1)
+        query[real] = batch.query
+        query[-1] = torch.randn(heads, dim, generator=gen, device=DEVICE).to(dtype)
+        seq_lens.copy_(torch.tensor(lens + [0], dtype=torch.int32))
+        block_tables.zero_()
+        block_tables[real, :batch.meta.block_tables.shape[1]] = batch.meta.block_tables
+        out.fill_(NAN)
+        for part in workspace:  # every partial must be written before the merge reads it
+            part.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        err = max_row_rel_err(out[real], batch.ref, batch.meta.cu_seqlens_q_cpu)
+        assert err < TOL[dtype], f"lengths {lens}: relative error {err:.2e}"
+        assert torch.equal(out[-1], torch.zeros_like(out[-1])), "seq_len 0 row must be zeros"
+        assert torch.count_nonzero(counters) == 0, "split counters not left zeroed"
+
+
+@pytest.mark.parametrize("mix", ["decode_b1_long", "decode_b4", "mixed_all"])
+def test_split_kv_is_deterministic(mix: str) -> None:
+    """Whichever partition arrives last merges, in one fixed order: the same inputs give
+    bitwise the same output on every run."""
+    layout, dtype, block_size = (16, 8, 128), torch.bfloat16, 16
+    seed = _seed("deterministic", mix)
+    batch = make_batch(_rows(mix, block_size, random.Random(seed)), layout, block_size, dtype,
+                       seed)
+    backend = TritonAttentionBackend()
+    backend.store_kv(batch.key, batch.value, batch.kv_cache, batch.meta.slot_mapping)
+    meta = batch.meta
+    if mix == "mixed_all":  # mixed batches split only long contexts: force a split launch
+        launch = AttentionLaunch(block_q=16, block_n=64, num_splits=8)
+        counters = split_counters(4096, DEVICE)
+
+        def run() -> torch.Tensor:
+            return paged_attention(batch.query, batch.kv_cache[0], batch.kv_cache[1],
+                                   meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                   batch.scale, launch, counters=counters)
+    else:
+        num_seqs = meta.seq_lens.shape[0]
+        launch = choose_launch(
+            num_tokens=num_seqs, num_seqs=num_seqs, num_kv_heads=layout[1],
+            num_q_per_kv=layout[0] // layout[1], dtype=dtype, max_query_len=1,
+            max_seq_len=meta.max_seq_len, decode_only=True,
+            num_sms=torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+
+        def run() -> torch.Tensor:
+            return backend.forward(batch.query, batch.kv_cache, meta, batch.scale)
+    assert launch.num_splits > 1, launch
+    first = run()
+    assert max_row_rel_err(first, batch.ref, meta.cu_seqlens_q_cpu) < TOL[dtype]
+    for i in range(19):
+        again = run()
+        assert torch.equal(again, first), f"run {i + 2} differs from run 1"
 
 
 def test_matches_torch_backend() -> None:

@@ -1,7 +1,7 @@
 """GEMV micro-benchmark: cuBLAS (F.linear) against models/kernels/gemv.py at decode batch sizes.
 
     python -m benchmarks.gemv_bench [--models 0.6b,8b] [--tp 1,2,4] [--m 1,4,8]
-                                    [--dtype bfloat16] [--rep 5] [--full] [--silu-mul]
+                                    [--dtype bfloat16] [--rep 5] [--full]
 
 For every Qwen3 decode linear (0.6B, 8B, and the 8B tensor-parallel shards: column-parallel
 layers split N, row-parallel ones split K) and batch size M, times F.linear and every gemv config
@@ -148,38 +148,6 @@ def bench_shape(n: int, k: int, ms: list[int], dtype: torch.dtype, rep: int, ful
     return cublas, results
 
 
-def bench_silu_mul(dtype: torch.dtype, rep: int) -> None:
-    """Batch-1 down projections: the compiled SiLU-and-mul kernel then the tuned gemv,
-    against gemv with the activation folded in (act="silu_mul"), per fma block_n: every
-    row tile recomputes the activation of its K range, so wider tiles share more of it."""
-    import functools
-
-    from models.kernels.gemv import GemvConfig, choose_config, gemv
-    from models.layers.activation import gated_act
-
-    print(f"\nbatch-1 down projection: SiLU-and-mul kernel + gemv against the fused gemv "
-          f"(us per call, CUDA graphs, cold weights; {dtype})")
-    print(f"{'shape':<24}{'N':>6}{'K':>7}{'unfused':>9}" + "".join(
-        f"{f'fused n{b}':>10}" for b in (1, 2, 4, 8)))
-    for label, n, k in (("0.6b down", 1024, 3072), ("8b down tp4", 4096, 3072),
-                        ("8b down tp2", 4096, 6144), ("8b down", 4096, 12288)):
-        weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
-                   for _ in range(max(1, -(-COLD_BYTES // (n * k * dtype.itemsize))))]
-        x = torch.randn(1, 2 * k, device="cuda").to(dtype)
-        base = choose_config(n, k, dtype)
-        def unfused(w: torch.Tensor, x: torch.Tensor = x, base: GemvConfig = base) -> Any:
-            return gemv(gated_act(x, "silu_mul"), w, config=base)
-
-        cells = [time_us(unfused, weights, rep)]
-        for block_n in (1, 2, 4, 8):
-            cfg = GemvConfig(block_n, base.block_k, base.num_warps)
-            cells.append(time_us(functools.partial(gemv, x, config=cfg, act="silu_mul"),
-                                 weights, rep))
-        print(f"{label:<24}{n:>6}{k:>7}" + "".join(f"{c:>9.2f} " for c in cells))
-        del weights
-        torch.cuda.empty_cache()
-
-
 def tbs(nbytes: int, us: float) -> float:
     return nbytes / us / 1e6
 
@@ -194,13 +162,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rep", type=int, default=5, help="do_bench rep (ms)")
     parser.add_argument("--full", action="store_true", help="the wider config sweep")
-    parser.add_argument("--silu-mul", action="store_true",
-                        help="only the down projection with and without the fused activation")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    if args.silu_mul:
-        bench_silu_mul(dtype, args.rep)
-        return
     ms = [int(v) for v in args.m.split(",")]
     shapes = reference_shapes(args.models.split(","), [int(t) for t in args.tp.split(",")])
     print(f"GPU: {torch.cuda.get_device_name()}  dtype={args.dtype}  M={ms}  "

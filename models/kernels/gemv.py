@@ -24,12 +24,6 @@ partials go to a float32 workspace by atomic_add and a second small kernel adds 
 casts into `out` and zeroes the workspace again, so one zeroed workspace (gemv_workspace)
 serves every later call and CUDA-graph replay without a memset.
 
-`act="silu_mul"` (fma only) folds the MLP's SiLU-and-mul into the down projection: x is the
-gate_up output [M, 2 * K] and each program computes silu(gate) * up as it loads x, which
-saves the activation's own kernel and launch gap per layer at decode. The price: x is read
-twice as wide, and every row tile recomputes the activation of its K range (N / BLOCK_N
-times over in all), ALU work the memory-bound loop has to hide.
-
 Nothing here reads device values on the host, and with `out` and `workspace` given nothing
 is allocated, so calls can be captured in CUDA graphs (a caller can keep one workspace of
 MAX_M x the widest N per device and pass it to every call; unused when K is not split).
@@ -42,15 +36,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 MAX_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # x rows in the tensor-core dot (N of the mma tile); rows past M re-read row M-1.
 _MMA_ROWS = tl.constexpr(MAX_M)
 _FINALIZE_BLOCK = 1024
-# The interpreter (TRITON_INTERPRET=1, read before triton is imported) has no libdevice.
-_LIBDEVICE = tl.constexpr(not triton.knobs.runtime.interpret)
 
 # Heuristic defaults, used for shapes missing from TUNED.
 # Programs to aim for: two per SM of an H100/H200 (132 SMs).
@@ -140,28 +131,17 @@ def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return TUNED.get((n, k, dtype.itemsize)) is not None
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor, act: str | None = None) -> bool:
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True where gemv should replace F.linear: CUDA, 2-D x with M <= MAX_M rows and a
     contiguous last dim, a contiguous [N, K] weight of x's dtype (bf16/fp16/fp32), and a shape
-    where gemv wins. With act="silu_mul", x is [M, 2 * K] (gate | up) and the question is
-    whether gemv(x, weight, act=act) should replace F.linear(silu_and_mul(x), weight): the
-    same shape rule on the weight's (N, K), and an "fma" config (the only kind that fuses)."""
-    _check_act(act)
+    where gemv wins."""
     if not (x.is_cuda and weight.is_cuda) or x.dim() != 2 or weight.dim() != 2:
         return False
     if weight.dtype != x.dtype or not weight.is_contiguous() or x.stride(-1) != 1:
         return False
-    n, k = weight.shape
-    if x.shape[1] != (k if act is None else 2 * k):
+    if weight.shape[1] != x.shape[1]:
         return False
-    if act is not None and choose_config(n, k, x.dtype).kind != "fma":
-        return False
-    return gemv_supported(x.shape[0], n, k, x.dtype)
-
-
-def _check_act(act: str | None) -> None:
-    if act not in (None, "silu_mul"):
-        raise ValueError(f"gemv act must be None or 'silu_mul', got {act!r}")
+    return gemv_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
 
 
 def gemv_workspace(max_m: int, n: int, device: torch.device | str) -> torch.Tensor:
@@ -189,32 +169,13 @@ def _store_out(out_ptr, ws_ptr, b_ptr, m, n, vals, M, N, stride_om,
 
 
 @triton.jit
-def _load_x(row_ptrs, in_k, K, EVEN_K: tl.constexpr, ACT_SILU_MUL: tl.constexpr):
-    """One K chunk of an x row as float32 [1, KV, VEC]. With ACT_SILU_MUL the row is
-    [gate | up] (K each) and the chunk is silu(gate) * up: computed in float32, then rounded
-    to x's dtype once (as the compiled SiluAndMul stores it) before it meets the weights.
-    Masked lanes load gate = up = 0, so they add silu(0) * 0 = 0."""
-    xk = tl.load(row_ptrs) if EVEN_K else tl.load(row_ptrs, mask=in_k, other=0.0)
-    if ACT_SILU_MUL:
-        up_ptrs = row_ptrs + K
-        up = tl.load(up_ptrs) if EVEN_K else tl.load(up_ptrs, mask=in_k, other=0.0)
-        gate = xk.to(tl.float32)
-        # Inductor's SiLU, op for op: gate / (1 + libdevice.exp(-gate)), '/' being div.full
-        # on NVIDIA as in its default (no division_rounding). The interpreter has no
-        # libdevice; numpy's exp stands in.
-        e = libdevice.exp(-gate) if _LIBDEVICE else tl.exp(-gate)
-        xk = (gate / (1 + e) * up.to(tl.float32)).to(row_ptrs.dtype.element_ty)
-    return xk.to(tl.float32)
-
-
-@triton.jit
-def _fma_row(w, x_ptrs, in_k, m: tl.constexpr, M, K, stride_xm, EVEN_K: tl.constexpr,
-             ACT_SILU_MUL: tl.constexpr):
+def _fma_row(w, x_ptrs, in_k, m: tl.constexpr, M, stride_xm, EVEN_K: tl.constexpr):
     """Row m's partials [BLOCK_N, KV]: the sum over VEC stays inside each thread. Rows of
     the bucket past M re-read row M-1 (their results are not stored), so x loads need no
     row mask and stay 16-byte vectors."""
     row_ptrs = x_ptrs + tl.minimum(m, M - 1) * stride_xm  # [1, KV, VEC]
-    return tl.sum(w * _load_x(row_ptrs, in_k, K, EVEN_K, ACT_SILU_MUL), axis=2)
+    xm = tl.load(row_ptrs) if EVEN_K else tl.load(row_ptrs, mask=in_k, other=0.0)
+    return tl.sum(w * xm.to(tl.float32), axis=2)
 
 
 @triton.jit
@@ -222,7 +183,7 @@ def _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_o
               offs_n, rows, k_start, k_end,
               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               VEC: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-              SPLIT_K: tl.constexpr, ACT_SILU_MUL: tl.constexpr):
+              SPLIT_K: tl.constexpr):
     KV: tl.constexpr = BLOCK_K // VEC
     k_in = tl.arange(0, KV)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [KV, VEC]
     w_ptrs = w_ptr + rows[:, None, None] * K + k_in[None, :, :]  # [BLOCK_N, KV, VEC]
@@ -245,18 +206,17 @@ def _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_o
             in_k = (k0 + k_in < k_end)[None, :, :]
             w = tl.load(w_ptrs + k0, mask=in_k, other=0.0)
         w = w.to(tl.float32)
-        xk_ptrs = x_ptrs + k0  # gate half with ACT_SILU_MUL
-        acc0 += _fma_row(w, xk_ptrs, in_k, 0, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
+        acc0 += _fma_row(w, x_ptrs + k0, in_k, 0, M, stride_xm, EVEN_K)
         if ROWS > 1:
-            acc1 += _fma_row(w, xk_ptrs, in_k, 1, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
+            acc1 += _fma_row(w, x_ptrs + k0, in_k, 1, M, stride_xm, EVEN_K)
         if ROWS > 2:
-            acc2 += _fma_row(w, xk_ptrs, in_k, 2, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
-            acc3 += _fma_row(w, xk_ptrs, in_k, 3, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
+            acc2 += _fma_row(w, x_ptrs + k0, in_k, 2, M, stride_xm, EVEN_K)
+            acc3 += _fma_row(w, x_ptrs + k0, in_k, 3, M, stride_xm, EVEN_K)
         if ROWS > 4:
-            acc4 += _fma_row(w, xk_ptrs, in_k, 4, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
-            acc5 += _fma_row(w, xk_ptrs, in_k, 5, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
-            acc6 += _fma_row(w, xk_ptrs, in_k, 6, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
-            acc7 += _fma_row(w, xk_ptrs, in_k, 7, M, K, stride_xm, EVEN_K, ACT_SILU_MUL)
+            acc4 += _fma_row(w, x_ptrs + k0, in_k, 4, M, stride_xm, EVEN_K)
+            acc5 += _fma_row(w, x_ptrs + k0, in_k, 5, M, stride_xm, EVEN_K)
+            acc6 += _fma_row(w, x_ptrs + k0, in_k, 6, M, stride_xm, EVEN_K)
+            acc7 += _fma_row(w, x_ptrs + k0, in_k, 7, M, stride_xm, EVEN_K)
     # The cross-lane / cross-warp part of the K reduction, once per program.
     _store_out(out_ptr, ws_ptr, b_ptr, 0, offs_n, tl.sum(acc0, axis=1), M, N, stride_om,
                HAS_BIAS, SPLIT_K)
@@ -309,7 +269,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_om, k_chunk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_MMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, ACT_SILU_MUL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last tile re-reads row N-1 instead of masking every weight load; its stores are
@@ -328,19 +288,19 @@ def _gemv_kernel(
         if M == 1:
             _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
                       offs_n, rows, k_start, k_end, 1, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K, ACT_SILU_MUL)
+                      HAS_BIAS, SPLIT_K)
         elif M == 2:
             _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
                       offs_n, rows, k_start, k_end, 2, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K, ACT_SILU_MUL)
+                      HAS_BIAS, SPLIT_K)
         elif M <= 4:
             _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
                       offs_n, rows, k_start, k_end, 4, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K, ACT_SILU_MUL)
+                      HAS_BIAS, SPLIT_K)
         else:
             _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
                       offs_n, rows, k_start, k_end, 8, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K, ACT_SILU_MUL)
+                      HAS_BIAS, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -362,40 +322,22 @@ def _split_k_finalize_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K] ([M, 2 * K] with act="silu_mul"), M <= MAX_M, last dim contiguous
+    x: torch.Tensor,  # [M, K], M <= MAX_M, last dim contiguous
     weight: torch.Tensor,  # [N, K] contiguous (nn.Linear weight)
     bias: torch.Tensor | None = None,  # [N]
     out: torch.Tensor | None = None,  # [M, N], last dim contiguous
     *,
     config: GemvConfig | None = None,  # None: choose_config(N, K, dtype)
     workspace: torch.Tensor | None = None,  # float32 [>= M * N] zeros, when split_k > 1
-    act: str | None = None,  # "silu_mul": x is gate | up, see below
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` in x's dtype with float32 accumulation, for M <= MAX_M.
-
-    act="silu_mul" folds the MLP's SiLU-and-mul into the x loads (one kernel instead of two):
-    x is the gate_up output [M, 2 * K] and the result is
-    `F.linear(silu(x[:, :K]) * x[:, K:], weight, bias)`, "fma" configs only. Exactness: each
-    activation element is computed in float32 with inductor's op sequence for SiLU and
-    rounded to x's dtype once before the multiply-accumulate, which is what the compiled
-    SiluAndMul (torch.compile on CUDA) hands the unfused gemv; the fused and unfused gemv
-    then sum the same values in the same order, so on the GPU they are expected to agree
-    bitwise (tests/gpu checks to one output rounding). Under the interpreter the fused result
-    is bitwise equal to the unfused gemv of the same float32 formula (numpy exp) in fp32 and
-    fp16, but not in bf16: the interpreter truncates float32 -> bf16 casts where the GPU rounds
-    to nearest. Against eager torch (`silu_and_mul` on CPU) it is never bitwise: torch's exp
-    differs from numpy's in the last bit, and in bf16/fp16 eager rounds twice (after the SiLU
-    and after the product); the difference stays within one rounding of the output.
 
     Allocates nothing when `out` is given and, for configs that split K, `workspace`
     (gemv_workspace) too; the workspace is left zeroed. Split-K adds partials in whatever
     order programs finish, so those results may differ between calls in the last bits.
     """
-    _check_act(act)
-    num_rows, x_cols = x.shape
+    num_rows, k = x.shape
     n = weight.shape[0]
-    k = x_cols if act is None else x_cols // 2
-    assert act is None or x_cols == 2 * k, f"act={act!r} needs x [M, 2 * K], got {x_cols} cols"
     assert num_rows <= MAX_M, f"gemv serves at most {MAX_M} rows, got {num_rows}"
     assert weight.shape == (n, k) and weight.is_contiguous(), (
         f"weight must be a contiguous [N, {k}] tensor, got {tuple(weight.shape)}")
@@ -412,7 +354,6 @@ def gemv(
         return out.copy_(bias.expand(num_rows, n)) if bias is not None else out.zero_()
 
     cfg = config or choose_config(n, k, x.dtype)
-    assert act is None or cfg.kind == "fma", f"act={act!r} needs an 'fma' config, got {cfg}"
     block_k = cfg.block_k
     # Whole BLOCK_K tiles per split, so only the last tile of K is ever ragged.
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
@@ -432,7 +373,6 @@ def gemv(
         USE_MMA=cfg.kind == "mma",
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split,
-        ACT_SILU_MUL=act == "silu_mul",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.activation import gated_act
 from models.parallel import (
     WeightSource,
     check_shape,
@@ -24,21 +23,15 @@ from models.parallel import (
 )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           act: str | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or nanoserve's Triton GEMV where it was measured faster: batch-1 decode on
-    CUDA, on the shapes in models/kernels/gemv.py's TUNED table.
-
-    act="silu_mul": x is [T, 2 * in_features] (gate | up) and this is
-    linear(silu(gate) * up): the GEMV folds the activation into its x loads (one kernel
-    fewer per MLP at batch-1 decode); elsewhere it runs as its own kernel first."""
+    CUDA, on the shapes in models/kernels/gemv.py's TUNED table."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
         from models.kernels.gemv import gemv, use_gemv  # triton: CUDA torch ships it
 
-        if use_gemv(x, weight, act=act):
-            return gemv(x, weight, bias, act=act)
-    if act is not None:
-        return linear(gated_act(x, act), weight, bias)
+        if use_gemv(x, weight):
+            return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -173,9 +166,8 @@ class RowParallelLinear(LinearBase):
         cols = self.input_per_rank
         param.data.copy_(narrow_weight(loaded_weight, 1, self.tp_rank * cols, cols))
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        # x: [num_tokens, input_per_rank] -> [num_tokens, output_size]; with act (see
-        # `linear`) x is [num_tokens, 2 * input_per_rank]: this rank's gate | up shards.
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, input_per_rank] -> [num_tokens, output_size]
         bias = self.bias if self.tp_rank == 0 else None
-        out = linear(x, self.weight, bias, act=act)
+        out = linear(x, self.weight, bias)
         return tp_all_reduce(out) if self.reduce_results else out

@@ -302,15 +302,18 @@ class Sampler(nn.Module):
 
     def warm_up(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile the draw kernel for the model's logits and for float32 ones (the penalty
-        and mask paths) now, not in the first steps that serve requests."""
+        and mask paths), for odd and even batches, now: not in the middle of serving."""
         if not (self.use_kernel and device.type == "cuda" and _triton_installed()):
             return
         from models.kernels.sample import race_argmax
 
-        ones = torch.ones(1, dtype=torch.int64, device=device)
         for logits_dtype in {dtype, torch.float32}:
-            logits = torch.zeros(1, vocab_size, dtype=logits_dtype, device=device)
-            race_argmax(logits, ones.float(), ones, ones)
+            # SamplingTensors.build hands out seeds and steps as rows of one [3, B] int64
+            # tensor: 16-byte aligned for even B only, and alignment is a compile key.
+            for num_rows in (1, 2):
+                ints = torch.ones(3, num_rows, dtype=torch.int64, device=device)
+                logits = torch.zeros(num_rows, vocab_size, dtype=logits_dtype, device=device)
+                race_argmax(logits, ints[0].float(), ints[1], ints[2])
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         kernel = self.use_kernel and logits.is_cuda and _triton_installed()

@@ -11,9 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gemv_bench import candidates, reference_shapes
-from models.kernels.gemv import MAX_M, GemvConfig, gemv, gemv_workspace, use_gemv
-from models.layers.activation import SiluAndMul, silu_and_mul
-from models.layers.linear import linear
+from models.kernels.gemv import MAX_M, GemvConfig, gemv, gemv_workspace
 
 DEVICE = torch.device("cuda")
 # Max error relative to the largest |reference| entry.
@@ -96,51 +94,3 @@ def test_cuda_graph_replay_with_new_inputs(config: GemvConfig | None) -> None:
         graph.replay()
         torch.cuda.synchronize()
         _assert_close(out, new_x, w, b, f"replay seed={seed}")
-
-
-def _max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-
-
-# Down projections where batch-1 decode takes the fused path: Qwen3-0.6B, and 8B at TP=4.
-@pytest.mark.parametrize("shape", [(1024, 3072), (4096, 3072)], ids=["0.6b-down", "8b-down-tp4"])
-def test_silu_mul_fused_matches_unfused_in_graph_replay(shape: tuple[int, int]) -> None:
-    n, k = shape
-    dtype = torch.bfloat16
-    _, w, _ = _inputs(1, n, k, dtype, seed=n, bias=False)
-    x_static = torch.zeros(1, 2 * k, dtype=dtype, device=DEVICE)  # gate | up
-    assert use_gemv(x_static, w, act="silu_mul"), "a TUNED down shape should take the fusion"
-    act_fn = SiluAndMul()  # torch.compile on CUDA: the unfused path the model ran before
-    out = torch.empty(1, n, dtype=dtype, device=DEVICE)
-    gemv(x_static, w, out=out, act="silu_mul")  # compile outside capture
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    gemv(x_static, w, out=out, act="silu_mul")
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, (
-        "fused gemv allocated with out given")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv(x_static, w, out=out, act="silu_mul")
-    for seed in (3, 4, 5):
-        new_x, _, _ = _inputs(1, 1, 2 * k, dtype, seed=seed, bias=False)
-        x_static.copy_(new_x)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = F.linear(silu_and_mul(new_x.double()), w.double())
-        assert _max_rel_err(out, ref) <= RTOL[dtype], f"{n}x{k} replay seed={seed}"
-        # Same activation values (inductor's SiLU op for op, one rounding) summed in the same
-        # order: expected bitwise equal; allowed two bf16 output ulps at the largest output.
-        unfused = gemv(act_fn(new_x), w)
-        assert _max_rel_err(out, unfused) <= 2**-6, f"{n}x{k} vs unfused seed={seed}"
-
-
-def test_linear_act_takes_the_fused_gemv_at_batch_1_only() -> None:
-    n, k = 1024, 3072
-    dtype = torch.bfloat16
-    x2, w, _ = _inputs(4, n, 2 * k, dtype, seed=6, bias=False)
-    w = w[:, :k].contiguous()
-    assert torch.equal(linear(x2[:1], w, act="silu_mul"), gemv(x2[:1], w, act="silu_mul"))
-    # Batch 4 keeps the unfused path: SiluAndMul, then F.linear (cuBLAS).
-    got = linear(x2, w, act="silu_mul")
-    assert torch.equal(got, F.linear(SiluAndMul()(x2), w))

@@ -46,7 +46,8 @@ def commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=RESULTS.parent, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # Untracked files count: a new module the run used is not in HEAD either.
+        dirty = subprocess.run(["git", "status", "--porcelain"],
                                capture_output=True, text=True, cwd=RESULTS.parent).stdout
         return out + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):

@@ -14,8 +14,8 @@ its peers' buffer over NVLink and one kernel sums them, without NCCL's per-call 
 overhead (`python -m benchmarks.allreduce_bench` measures both). Anything it does not
 cover, or any failure to set it up, goes to NCCL. `tp_all_reduce_add_rms_norm` goes one
 step further for the decoder layer's epilogue: the sum, the residual add and the RMSNorm
-in one kernel with one barrier (models/kernels/all_reduce_norm.py). NVLink multicast (NVLS) is never used:
-it can take a shared host's GPUs out of service.
+in one kernel with one barrier (models/kernels/all_reduce_norm.py). NVLink multicast
+(NVLS) is never used: it can take a shared host's GPUs out of service.
 """
 
 from __future__ import annotations

@@ -92,6 +92,8 @@ def test_every_overlay_exists() -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_renderers_agree(overlay: str) -> None:
+    if len(RENDERERS) < 2:  # CI has kustomize alone: nothing to compare it with
+        pytest.skip("needs two kustomize renderers (kustomize and a kubectl >= 1.21)")
     outputs = {r: render(r, overlay) for r in RENDERERS}
     first = next(iter(outputs.values()))
     for r, docs in outputs.items():

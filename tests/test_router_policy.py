@@ -228,6 +228,28 @@ def test_optimistic_entries_expire_unless_confirmed():
     assert index.num_blocks("e") == (2, 0)
 
 
+def test_expire_drops_only_lapsed_optimistic_entries():
+    """expire() on its own (no match() touching the entries first) frees lapsed optimistic
+    hashes of every engine and keeps the live and the confirmed ones."""
+    clock = FakeClock()
+    index = PrefixIndex(optimistic_ttl_s=5.0, clock=clock)
+    for engine in ("a", "b"):
+        index.apply_snapshot(engine, 0, [100])
+        index.insert_optimistic(engine, [1, 2, 3])
+    clock.now += 3.0
+    index.insert_optimistic("b", [7, 8])  # lapses 3 s after the others
+    index.expire()
+    assert index.num_blocks("a") == (1, 3) and index.num_blocks("b") == (1, 5)
+    clock.now += 2.0  # the first three of each engine lapse now (expiry <= now)
+    index.expire()
+    assert index.num_blocks("a") == (1, 0)
+    assert index.num_blocks("b") == (1, 2)
+    assert index.match("b", [7, 8]) == 2 and index.match("a", [100]) == 1
+    clock.now += 3.0
+    index.expire()
+    assert index.num_blocks("b") == (1, 0)
+
+
 def test_optimistic_entry_dropped_by_removal_and_kept_across_snapshot():
     clock = FakeClock()
     index = PrefixIndex(optimistic_ttl_s=5.0, clock=clock)

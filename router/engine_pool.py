@@ -184,6 +184,10 @@ class EngineClient:
         if serving and not self.serving:
             serving = await self._read_model_info(timeout)
             if serving:
+                # The last load report predates the outage (load polls stop while an engine
+                # is not serving): a restarted process has nothing in flight, and a stale
+                # figure would keep requests off it until the next poll.
+                self.reported_load = 0
                 log.info("engine %s (%s) is serving", self.key, self.engine_id)
         elif self.serving and not serving:
             log.warning("engine %s stopped serving", self.key)

@@ -428,6 +428,31 @@ async def test_passive_failures_back_off_exponentially_and_reset_on_success():
 
 
 @aio
+async def test_load_report_from_before_an_outage_is_dropped():
+    """An engine killed with work in flight and restarted must not keep its old load: the
+    restarted process has nothing in flight (the real-process failover test saw a restarted
+    engine skipped by a burst because of the figure it reported before it died)."""
+    fake = start_fakes([FakeBehavior(load=pb.Load(tokens_in_flight=5000, accepting=True))])[0]
+    config = RouterConfig(engine=[f"127.0.0.1:{fake.port}"])
+    engine = EngineClient(f"127.0.0.1:{fake.port}", config, PrefixIndex(), RouterMetrics())
+    try:
+        await engine.check_health()
+        await engine.poll_load()
+        assert engine.serving and engine.load() == 5000
+        fake.set_serving(False)
+        await engine.check_health()
+        assert not engine.serving and engine.load() == 5000  # no poll while not serving
+        fake.set_serving(True)
+        await engine.check_health()
+        assert engine.serving and engine.load() == 0  # before any new load poll
+        await engine.poll_load()
+        assert engine.load() == 5000  # the next poll brings the engine's own figure back
+    finally:
+        await engine.channel.close()
+        fake.stop(0)
+
+
+@aio
 async def test_unhealthy_or_draining_engine_is_skipped():
     async with cluster() as c:
         await c.hold_prefix(0, HOT)

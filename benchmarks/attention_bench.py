@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,45 +66,51 @@ def _time_ms(backend: Any, rows: Rows, layout: Layout, block_size: int,
     return do_bench(lambda: backend.forward(query, kv_cache, meta, scale))
 
 
+def _decode_case(rows: Rows, layout: Layout, block_size: int, dtype: torch.dtype
+                 ) -> tuple[Any, Callable[[Any], float]]:
+    """Decode rows as the engine launches them: (the launch choose_launch picks, a function
+    timing any launch on these rows in KV TB/s). Counters are kept across calls as the
+    backend keeps them, so no call pays a memset."""
+    from triton.testing import do_bench
+
+    from models.kernels.paged_attention import choose_launch, paged_attention, split_counters
+
+    heads, kv_heads, dim = layout
+    query, kv_cache, meta = _build(rows, layout, block_size, dtype)
+    kv_bytes, _ = _work(rows, layout, dtype)
+    counters = split_counters(1 << 16, "cuda")
+    chosen = choose_launch(num_tokens=len(rows), num_seqs=len(rows), num_kv_heads=kv_heads,
+                           num_q_per_kv=heads // kv_heads, dtype=dtype, max_query_len=1,
+                           max_seq_len=0, decode_only=True,
+                           num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def tb_per_s(launch: Any) -> float:
+        ms = do_bench(functools.partial(
+            paged_attention, query, kv_cache[0], kv_cache[1], meta.cu_seqlens_q,
+            meta.seq_lens, meta.block_tables, dim ** -0.5, launch, counters=counters))
+        return kv_bytes / ms / 1e9
+
+    return chosen, tb_per_s
+
+
 def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
     """Decode attention at each split count, over batches whose contexts spread like the
     nano-vllm bench workload's (uniform 100..2048), to tune choose_launch's split rule."""
     import random
 
-    from triton.testing import do_bench
+    from models.kernels.paged_attention import AttentionLaunch
 
-    from models.kernels.paged_attention import (
-        AttentionLaunch,
-        choose_launch,
-        paged_attention,
-        split_counters,
-        split_workspace,
-    )
-
-    heads, kv_heads, dim = layout
     rng = random.Random(0)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counters = split_counters(1 << 16, "cuda")
     print(f"{'batch':>6}{'contexts':>12}" + "".join(f"{f'S={s}':>9}" for s in SPLITS)
           + f"{'chosen':>9}")
     for batch in (8, 16, 32, 48, 64, 96, 128, 192, 256):
         for ctx_name, ctx in (("100..2048", lambda: rng.randint(100, 2048)),
                               ("1024", lambda: 1024)):
-            rows = [(ctx() - 1, 1) for _ in range(batch)]
-            query, kv_cache, meta = _build(rows, layout, block_size, dtype)
-            kv_bytes, _ = _work(rows, layout, dtype)
-            base = choose_launch(num_tokens=batch, num_seqs=batch, num_kv_heads=kv_heads,
-                                 num_q_per_kv=heads // kv_heads, dtype=dtype, max_query_len=1,
-                                 max_seq_len=0, decode_only=True, num_sms=num_sms)
-            cells = []
-            for splits in SPLITS:
-                launch = AttentionLaunch(base.block_q, base.block_n, splits, base.num_warps)
-                ws = split_workspace(batch, heads, splits, dim, query.device)
-                ms = do_bench(functools.partial(
-                    paged_attention, query, kv_cache[0], kv_cache[1], meta.cu_seqlens_q,
-                    meta.seq_lens, meta.block_tables, dim ** -0.5, launch, workspace=ws,
-                    counters=counters))
-                cells.append(f"{kv_bytes / ms / 1e9:>8.2f}T")
+            base, tb_per_s = _decode_case([(ctx() - 1, 1) for _ in range(batch)], layout,
+                                          block_size, dtype)
+            launches = [AttentionLaunch(base.block_q, base.block_n, splits, base.num_warps)
+                        for splits in SPLITS]
+            cells = [f"{tb_per_s(launch):>8.2f}T" for launch in launches]
             print(f"{batch:>6}{ctx_name:>12}" + "".join(f"{c:>9}" for c in cells)
                   + f"{f'S={base.num_splits}':>9}")
 
@@ -119,43 +126,23 @@ def sweep_tiles(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
     its tile choice; prints the best tiles per batch and the chosen launch's figure."""
     import random
 
-    from triton.testing import do_bench
+    from models.kernels.paged_attention import AttentionLaunch
 
-    from models.kernels.paged_attention import (
-        AttentionLaunch,
-        choose_launch,
-        paged_attention,
-        split_counters,
-    )
-
-    heads, kv_heads, dim = layout
     rng = random.Random(0)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counters = split_counters(1 << 16, "cuda")  # as the backend keeps: no memset per call
     for batch in (32, 64, 128, 256):
-        rows = [(rng.randint(100, 2048) - 1, 1) for _ in range(batch)]
-        query, kv_cache, meta = _build(rows, layout, block_size, dtype)
-        kv_bytes, _ = _work(rows, layout, dtype)
-        base = choose_launch(num_tokens=batch, num_seqs=batch, num_kv_heads=kv_heads,
-                             num_q_per_kv=heads // kv_heads, dtype=dtype, max_query_len=1,
-                             max_seq_len=0, decode_only=True, num_sms=num_sms)
+        base, tb_per_s = _decode_case([(rng.randint(100, 2048) - 1, 1) for _ in range(batch)],
+                                      layout, block_size, dtype)
         results = []
-        for block_n, warps, stages in TILES + [(base.block_n, base.num_warps,
-                                                base.num_stages)]:
-            launch = AttentionLaunch(base.block_q, block_n, base.num_splits, warps, stages)
+        for block_n, warps, stages in TILES:
             try:
-                ms = do_bench(functools.partial(
-                    paged_attention, query, kv_cache[0], kv_cache[1], meta.cu_seqlens_q,
-                    meta.seq_lens, meta.block_tables, dim ** -0.5, launch,
-                    counters=counters))
+                launch = AttentionLaunch(base.block_q, block_n, base.num_splits, warps, stages)
+                results.append((tb_per_s(launch), f"n{block_n} w{warps} s{stages}"))
             except Exception as exc:  # out of shared memory etc.: skip the tile
                 print(f"  b={batch} n{block_n} w{warps} s{stages}: {type(exc).__name__}")
-                continue
-            results.append((kv_bytes / ms / 1e9, f"n{block_n} w{warps} s{stages}"))
-        chosen = results.pop()
         best = sorted(results, reverse=True)[:4]
-        print(f"batch {batch:>4} (S={base.num_splits}): chosen {chosen[1]} {chosen[0]:.2f} "
-              f"TB/s; best " + ", ".join(f"{name} {tb:.2f}" for tb, name in best))
+        print(f"batch {batch:>4} (S={base.num_splits}): chosen n{base.block_n} "
+              f"w{base.num_warps} s{base.num_stages} {tb_per_s(base):.2f} TB/s; best "
+              + ", ".join(f"{name} {tb:.2f}" for tb, name in best))
 
 
 def main() -> None:

@@ -253,10 +253,14 @@ class SymmMemAllReduce:
         self._handle: Any = None
         # One view per dtype of the same storage: [max_bytes // itemsize] each.
         self._views = {dtype: self._buffer.view(dtype) for dtype in FAST_DTYPES}
-        # The fused all-reduce + add + RMSNorm: int32 flags, then the data halves.
+        # The fused all-reduce + add + RMSNorm: int32 flags, then the data halves. Its flag
+        # area holds up to 8 ranks, and the kernel indexes ranks with tl.arange (2^k only).
+        self.fused_norm = (self.world_size <= FUSED_NORM_MAX_RANKS
+                           and self.world_size & (self.world_size - 1) == 0)
         self._fused_data_bytes = 2 * self.world_size * FUSED_NORM_MAX_BYTES
         self._fused_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
-            (_FUSED_FLAG_BYTES + self._fused_data_bytes,), (1,), torch.uint8, self.device)
+            (_FUSED_FLAG_BYTES + self._fused_data_bytes,), (1,), torch.uint8, self.device
+        ) if self.fused_norm else None
         self._fused_handle: Any = None
         self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
         self._data_ptrs: torch.Tensor | None = None
@@ -285,6 +289,8 @@ class SymmMemAllReduce:
         known values (which also compiles the kernel before any graph capture)."""
         from torch.distributed import _symmetric_memory as symm_mem
 
+        if not self.fused_norm:
+            return
         self._fused_buffer[:_FUSED_FLAG_BYTES].zero_()
         self._fused_handle = symm_mem.rendezvous(self._fused_buffer, self.group_name)
         ptrs = list(self._fused_handle.buffer_ptrs)
@@ -296,10 +302,7 @@ class SymmMemAllReduce:
         for dtype in FAST_DTYPES:
             x = torch.full((2, hidden), self.rank + 1, dtype=dtype, device=self.device)
             ones = torch.ones(hidden, dtype=dtype, device=self.device)
-            fused = self.all_reduce_add_rms_norm(x, torch.ones_like(x), ones, 1e-6)
-            if fused is None:
-                return  # no fused path for this group (more than 8 or not 2^k ranks)
-            out, residual = fused
+            out, residual = self.all_reduce_add_rms_norm(x, torch.ones_like(x), ones, 1e-6)
             wrong = int((residual != expected).sum().item()) + int(
                 ((out.float() - 1).abs() > 1e-2).sum().item())
             if wrong:
@@ -313,16 +316,15 @@ class SymmMemAllReduce:
                                 weight: torch.Tensor, eps: float
                                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fused kernel's (normalized, new residual), or None where it does not apply:
-        a dtype or size it does not cover, or a layout it does not read."""
-        from models.kernels.all_reduce_norm import all_reduce_add_rms_norm, data_rows
+        a group, dtype or size it does not cover, or a layout it does not read. (A message
+        within FUSED_NORM_MAX_BYTES also fits the data halves, 2 * W times that size.)"""
+        from models.kernels.all_reduce_norm import all_reduce_add_rms_norm
 
-        if (not x.is_cuda or x.dim() != 2 or x.dtype not in FAST_DTYPES
+        if (not self.fused_norm or not x.is_cuda or x.dim() != 2
+                or x.dtype not in FAST_DTYPES
                 or x.numel() * x.element_size() > FUSED_NORM_MAX_BYTES
-                or x.stride(-1) != 1 or residual.stride(-1) != 1 or x.shape[0] == 0
-                or x.shape[0] > min(FUSED_NORM_ROWS, data_rows(
-                    self._fused_data_bytes, self.world_size, x.shape[1], x.dtype))
-                or self.world_size & (self.world_size - 1)
-                or self.world_size > FUSED_NORM_MAX_RANKS):
+                or x.stride(-1) != 1 or residual.stride(-1) != 1
+                or not 0 < x.shape[0] <= FUSED_NORM_ROWS):
             return None
         return all_reduce_add_rms_norm(
             x, residual, weight, eps, data_ptrs=self._data_ptrs,

@@ -104,7 +104,7 @@ class TritonAttentionBackend:
             self._launch(query[num_decode:], kv_cache, meta.cu_seqlens_q, meta.seq_lens,
                          meta.block_tables, scale, out[num_decode:], decode_only=False,
                          max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                         q_base=num_decode, seq_base=num_decode)
+                         seq_base=num_decode)
         else:
             # Decode launches ignore lengths (see choose_launch): graph replays stay valid.
             self._launch(query, kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
@@ -116,7 +116,7 @@ class TritonAttentionBackend:
     def _launch(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                 out: torch.Tensor, *, decode_only: bool, max_query_len: int,
-                max_seq_len: int, q_base: int = 0, seq_base: int = 0) -> None:
+                max_seq_len: int, seq_base: int = 0) -> None:
         num_kv_heads = kv_cache.shape[3]
         launch = choose_launch(
             num_tokens=query.shape[0], num_seqs=seq_lens.shape[0] - seq_base,
@@ -125,7 +125,7 @@ class TritonAttentionBackend:
             max_query_len=max_query_len, max_seq_len=max_seq_len, decode_only=decode_only,
             num_sms=self.num_sms(query.device))
         paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens, block_tables,
-                        scale, launch, out=out, q_base=q_base, seq_base=seq_base,
+                        scale, launch, out=out, seq_base=seq_base,
                         counters=self.split_kv_counters(query.device))
 
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:

@@ -44,12 +44,12 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 # Per-step ints are not specialised on (== 1, divisible by 16): each new combination would
 # be a fresh compile in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "q_base", "seq_base", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "seq_base", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     ws_acc_ptr, ws_max_ptr, ws_sum_ptr, counters_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, num_heads, block_size, q_base, seq_base,
+    qk_scale, num_seqs, num_heads, block_size, seq_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_bt,
@@ -69,6 +69,7 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr += seq_base
     seq_lens_ptr += seq_base
     block_tables_ptr += seq_base.to(tl.int64) * stride_bt
+    q_base = tl.load(cu_seqlens_q_ptr)  # the sub-batch's first token: its query/out row 0
 
     # With q = cu_seqlens_q - q_base (q_base: first token of a sub-batch), sequence b owns
     # programs [q[b] // BLOCK_Q + b, q[b+1] // BLOCK_Q + b + 1): at least cdiv(q_len_b,
@@ -317,17 +318,15 @@ def paged_attention(
     launch: AttentionLaunch,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    q_base: int = 0,
     counters: torch.Tensor | None = None,  # [>= grid0 * num_kv_heads] int32 zeros
     seq_base: int = 0,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context.
 
     The batch is rows `seq_base..` of `cu_seqlens_q`, `seq_lens` and `block_tables`; the
-    query/out row of token i of sequence b is `cu_seqlens_q[b] - q_base + i`. Together they
-    let the rows b0.. of a step launch on their own (seq_base=b0, q_base=cu[b0],
-    query[cu[b0]:]) without slicing the metadata. Output rows not covered by any sequence
-    are unspecified.
+    query/out row of token i of sequence b is `cu_seqlens_q[b] - cu_seqlens_q[seq_base] +
+    i`. So the rows b0.. of a step launch on their own (seq_base=b0, query[cu[b0]:]) without
+    slicing the metadata. Output rows not covered by any sequence are unspecified.
 
     Split launches (`launch.num_splits > 1`) use a float32 `workspace` (split_workspace)
     and zeroed int32 `counters` (split_counters; one per tile program and kv head, i.e.
@@ -384,7 +383,7 @@ def paged_attention(
         query, key_cache, value_cache, out,
         ws_acc, ws_max, ws_sum, counters,
         cu_seqlens_q, seq_lens, block_tables,
-        scale * LOG2E, num_seqs, num_heads, block_size, q_base, seq_base,
+        scale * LOG2E, num_seqs, num_heads, block_size, seq_base,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_slot, key_cache.stride(2), v_slot, value_cache.stride(2),
         block_tables.stride(0),

@@ -120,11 +120,6 @@ def _all_reduce_add_rms_norm_kernel(
     tl.store(epochs_ptr + row, epoch + 1)
 
 
-def data_rows(data_bytes: int, world_size: int, hidden: int, dtype: torch.dtype) -> int:
-    """Rows one call can cover when each rank's data region has `data_bytes`."""
-    return data_bytes // (2 * world_size * hidden * dtype.itemsize)
-
-
 def all_reduce_add_rms_norm(
     x: torch.Tensor,  # [M, hidden] this rank's partial sum
     residual: torch.Tensor,  # [M, hidden]
@@ -144,7 +139,9 @@ def all_reduce_add_rms_norm(
     them)."""
     num_rows, hidden = x.shape
     flag_rows = epochs.shape[0]
-    rows = min(flag_rows, data_rows(data_bytes, world_size, hidden, x.dtype))
+    # Rows per half and rank in the data region: the layout every call of this hidden size
+    # and dtype shares.
+    rows = min(flag_rows, data_bytes // (2 * world_size * hidden * x.element_size()))
     assert 0 < num_rows <= rows, f"{num_rows} rows, the buffers hold {rows}"
     assert world_size >= 2 and world_size & (world_size - 1) == 0, world_size
     assert residual.shape == x.shape and residual.dtype == x.dtype

@@ -94,28 +94,43 @@ def _decode_case(rows: Rows, layout: Layout, block_size: int, dtype: torch.dtype
 
 
 def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
-    """Decode attention at each split count, over batches whose contexts spread like the
-    nano-vllm bench workload's (uniform 100..2048), to tune choose_launch's split rule."""
+    """Decode attention at each (split count, least partition length), over batches whose
+    contexts spread like the nano-vllm bench workload's (uniform 100..2048) and over equal
+    contexts, to tune choose_launch's split rule. Prints one line per batch, contexts and
+    least partition length, then per batch the best cell next to the chosen launch."""
     import random
 
     from models.kernels.paged_attention import AttentionLaunch
 
     rng = random.Random(0)
-    print(f"{'batch':>6}{'contexts':>12}" + "".join(f"{f'S={s}':>9}" for s in SPLITS)
-          + f"{'chosen':>9}")
-    for batch in (8, 16, 32, 48, 64, 96, 128, 192, 256):
+    print(f"{'batch':>6}{'contexts':>12}{'min len':>8}" + "".join(f"{f'S={s}':>9}"
+                                                              for s in SPLITS))
+    summary = []
+    for batch in (1, 8, 16, 32, 48, 64, 96, 128, 192, 256):
         for ctx_name, ctx in (("100..2048", lambda: rng.randint(100, 2048)),
                               ("1024", lambda: 1024)):
             base, tb_per_s = _decode_case([(ctx() - 1, 1) for _ in range(batch)], layout,
                                           block_size, dtype)
-            launches = [AttentionLaunch(base.block_q, base.block_n, splits, base.num_warps)
-                        for splits in SPLITS]
-            cells = [f"{tb_per_s(launch):>8.2f}T" for launch in launches]
-            print(f"{batch:>6}{ctx_name:>12}" + "".join(f"{c:>9}" for c in cells)
-                  + f"{f'S={base.num_splits}':>9}")
+            cells = {}
+            for min_len in SPLIT_LENS:
+                for splits in SPLITS:
+                    if splits == 1 and min_len:
+                        continue  # unsplit launches ignore the length
+                    cells[splits, min_len] = tb_per_s(AttentionLaunch(
+                        base.block_q, base.block_n, splits, base.num_warps, base.num_stages,
+                        min_len))
+                print(f"{batch:>6}{ctx_name:>12}{min_len:>8}" + "".join(
+                    f"{cells[s, min_len]:>8.2f}T" if (s, min_len) in cells else f"{'':>9}"
+                    for s in SPLITS))
+            (best_s, best_len), best = max(cells.items(), key=lambda kv: kv[1])
+            summary.append(f"{batch:>6}{ctx_name:>12}  best S={best_s} len={best_len} "
+                           f"{best:.2f}T; chosen S={base.num_splits} len={base.min_split_len} "
+                           f"{tb_per_s(base):.2f}T")
+    print("\n".join(summary))
 
 
 SPLITS = (1, 2, 4, 8, 16, 32)
+SPLIT_LENS = (0, 256, 512, 1024)
 TILES = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8)
          for stages in (2, 3, 4)]
 

@@ -8,6 +8,7 @@ attention over the per-row keys/values the test generated (never read back from 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 
 import pytest
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 CHECKS = ["store_kv", "backend", "launches", "split_merge", "split_counters_reused",
-          "split_matches_unsplit", "counter_picks_merger"]
+          "split_matches_unsplit", "counter_picks_merger", "split_len"]
 
 
 @pytest.fixture(scope="module", params=[4, 16], ids=lambda bs: f"block_size={bs}")
@@ -250,21 +251,49 @@ def _main(block_size: int) -> None:
         # the partition index) picks the merger, it merges before partition S-1 has written
         # its (NaN-poisoned) partials, so every row comes out NaN, and each counter ends at
         # 1 (the merger's 0 plus partition S-1's arrival).
+        # The padding row (seq_len 0) has one partition: it arrives on 1, which is not
+        # num_parts - 1 = 0, so it never merges and its counter ends at 2.
         heads, kv_heads, dim = 4, 2, 32
-        q, kv_cache, meta, ref = padded_decode_batch([150, 3], heads, kv_heads, dim)
+        q, kv_cache, meta, ref = padded_decode_batch([150, 40], heads, kv_heads, dim)
         launch = AttentionLaunch(block_q=8, block_n=16, num_splits=2)
         counters = torch.ones(64, dtype=torch.int32)
         out = split_run(q, kv_cache, meta, dim, launch, counters)
         assert out.isnan().all(), "a partition merged before every partial was written"
         used = (q.shape[0] // launch.block_q + meta.seq_lens.shape[0]) * kv_heads
-        assert torch.equal(counters[:used], torch.ones(used, dtype=torch.int32)), counters
+        expected = torch.ones(used, dtype=torch.int32)
+        expected[2 * kv_heads:3 * kv_heads] = 2  # row 2 (padding) owns tile program 2
+        assert torch.equal(counters[:used], expected), counters
         counters.zero_()  # the same poisoned launch with zeroed counters is right
         assert rel_err(split_run(q, kv_cache, meta, dim, launch, counters)[:-1], ref,
                        meta) < 1e-4
 
+    def check_split_len():
+        # Rows shorter than num_splits * min_split_len take fewer partitions; the others'
+        # programs exit without writing, so their (NaN-poisoned) partials stay NaN.
+        heads, kv_heads, dim = 4, 2, 32
+        cached = [0, 5, 15, 16, 40, 100, 250]
+        q, kv_cache, meta, ref = padded_decode_batch(cached, heads, kv_heads, dim)
+        for min_len in (16, 32, 64):
+            launch = AttentionLaunch(block_q=8, block_n=16, num_splits=8,
+                                     min_split_len=min_len)
+            counters = split_counters(64, q.device)
+            workspace = tuple(torch.full_like(w, nan) for w in split_workspace(
+                q.shape[0], heads, 8, dim, q.device))
+            out = split_run(q, kv_cache, meta, dim, launch, counters, workspace)
+            assert rel_err(out[:-1], ref, meta) < 1e-4, min_len
+            assert torch.count_nonzero(counters) == 0, "counters not left zeroed"
+            row_max = workspace[1]  # [T, H, S]
+            for row, ctx in enumerate(cached):
+                part = max(math.ceil(math.ceil((ctx + 1) / 8) / 16) * 16, min_len)
+                num_parts = math.ceil((ctx + 1) / part)
+                written = ~row_max[row].isnan().any(dim=0)  # [S]
+                assert written.tolist() == [s < num_parts for s in range(8)], (
+                    min_len, ctx, written)
+
     run_checks(list(zip(CHECKS, [check_store_kv, check_backend, check_launches,
                                  check_split_merge, check_split_counters_reused,
-                                 check_split_matches_unsplit, check_counter_picks_merger],
+                                 check_split_matches_unsplit, check_counter_picks_merger,
+                                 check_split_len],
                         strict=True)))
 
 

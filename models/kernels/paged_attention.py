@@ -14,10 +14,11 @@ sequence of a tile is found on the device by a binary search over `cu_seqlens_q`
 `b` owns programs from `cu_seqlens_q[b] // BLOCK_Q + b`), so the grid depends only on
 `num_tokens`, `num_seqs` and the launch choice: no host reads of device data.
 
-Split-KV (flash-decoding): with few programs, each tile's key range is cut into
-`num_splits` partitions; every partition writes its partial (max, sum, acc) to a float32
-workspace. Partition sizes are computed in the kernel from each row's own length, so a
-fixed `num_splits` serves any context length — what a captured CUDA graph needs. The merge
+Split-KV (flash-decoding): with few programs, each tile's key range is cut into up to
+`num_splits` partitions of at least `min_split_len` keys; every partition writes its
+partial (max, sum, acc) to a float32 workspace. Partition counts and sizes are computed in
+the kernel from each row's own length, so a fixed `num_splits` serves any context length —
+what a captured CUDA graph needs — and programs past a row's partitions exit at once. The merge
 needs no second launch: each partition then arrives on its tile's int32 counter (an
 acq_rel atomic at GPU scope, after a barrier, so its partials are visible first), and the
 partition that arrives last reads every partition's partials from L2, merges them into
@@ -44,12 +45,12 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 # Per-step ints are not specialised on (== 1, divisible by 16): each new combination would
 # be a fresh compile in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "seq_base", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "seq_base", "min_split_len", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     ws_acc_ptr, ws_max_ptr, ws_sum_ptr, counters_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, num_heads, block_size, seq_base,
+    qk_scale, num_seqs, num_heads, block_size, seq_base, min_split_len,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_bt,
@@ -107,7 +108,14 @@ def _paged_attention_kernel(
     # Causal: no row of this tile sees keys past its last query token.
     kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
     if NUM_SPLITS > 1:
-        part = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        # Partitions of at least min_split_len keys: a short context takes fewer of them
+        # (less merge work), and a batch of mixed lengths gets work units of similar size,
+        # so its longest rows do not run alone at the end of the launch.
+        part = tl.maximum(tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+                          min_split_len)
+        num_parts = tl.maximum(tl.cdiv(kv_hi, part), 1)
+        if split >= num_parts:
+            return
         kv_lo = split * part
         kv_end = tl.minimum(kv_hi, kv_lo + part)
     else:
@@ -150,9 +158,10 @@ def _paged_attention_kernel(
         tl.debug_barrier()
         counter = counters_ptr + pid * tl.num_programs(1) + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
+        if arrived == num_parts - 1:
             _merge_splits(out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
-                          q_start, q_len, tile, kv_head, num_heads, stride_ot, stride_oh,
+                          q_start, q_len, tile, kv_head, num_heads, num_parts,
+                          stride_ot, stride_oh,
                           NUM_Q_PER_KV, GROUP_PAD, BLOCK_Q, BLOCK_M, HEAD_DIM, NUM_SPLITS,
                           MERGE_ROWS)
             tl.store(counter, 0)  # zero again for the next launch / graph replay
@@ -166,7 +175,7 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits(
     out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
-    q_start, q_len, tile, kv_head, num_heads, stride_ot, stride_oh,
+    q_start, q_len, tile, kv_head, num_heads, num_parts, stride_ot, stride_oh,
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
@@ -189,13 +198,14 @@ def _merge_splits(
         row_ok = (tok < q_len) & (group_head < NUM_Q_PER_KV)  # [MERGE_ROWS]
         t = (q_start + tok).to(tl.int64)
         ws = (t * num_heads + head)[:, None] * NUM_SPLITS + splits[None, :]  # [R, S]
-        m = tl.load(ws_max_ptr + ws, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        l_sum = tl.load(ws_sum_ptr + ws, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        ok = row_ok[:, None] & (splits[None, :] < num_parts)  # [R, S]
+        m = tl.load(ws_max_ptr + ws, mask=ok, other=_NEG_BIG, cache_modifier=".cg")
+        l_sum = tl.load(ws_sum_ptr + ws, mask=ok, other=0.0, cache_modifier=".cg")
         acc = tl.load(ws_acc_ptr + ws[:, :, None] * HEAD_DIM + dims[None, None, :],
-                      mask=row_ok[:, None, None], other=0.0,
+                      mask=ok[:, :, None], other=0.0,
                       cache_modifier=".cg")  # [MERGE_ROWS, NUM_SPLITS, HEAD_DIM]
-        # Empty partitions carry max _NEG_BIG and sum 0: weight 0 next to any real one, and
-        # an all-empty row (seq_len 0) divides 0 by 1.
+        # Partitions past num_parts never ran and empty ones carry max _NEG_BIG and sum 0:
+        # weight 0 next to any real one, and an all-empty row (seq_len 0) divides 0 by 1.
         weight = tl.exp2(m - tl.max(m, axis=1)[:, None])  # [R, S]
         total = tl.sum(weight * l_sum, axis=1)  # [R]
         out = tl.sum(acc * weight[:, :, None], axis=1) / tl.where(total > 0.0, total, 1.0)[
@@ -210,9 +220,12 @@ class AttentionLaunch:
 
     block_q: int  # query tokens per tile (rows = block_q x padded GQA group)
     block_n: int  # keys per inner-loop step
-    num_splits: int  # KV partitions per tile; 1 = no split-KV pass
+    num_splits: int  # KV partitions per tile at most; 1 = no split-KV pass
     num_warps: int = 4
     num_stages: int = 2
+    # Keys per partition at least (a runtime argument, not a compile key): rows shorter
+    # than num_splits * min_split_len take fewer partitions.
+    min_split_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_n", "num_splits"):
@@ -223,6 +236,8 @@ class AttentionLaunch:
             raise ValueError(f"block_n must be >= 16 (tl.dot), got {self.block_n}")
         if self.num_splits > MAX_SPLITS:
             raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {self.num_splits}")
+        if self.min_split_len < 0:
+            raise ValueError(f"min_split_len must be >= 0, got {self.min_split_len}")
 
 
 def _group_pad(num_q_per_kv: int) -> int:
@@ -383,7 +398,7 @@ def paged_attention(
         query, key_cache, value_cache, out,
         ws_acc, ws_max, ws_sum, counters,
         cu_seqlens_q, seq_lens, block_tables,
-        scale * LOG2E, num_seqs, num_heads, block_size, seq_base,
+        scale * LOG2E, num_seqs, num_heads, block_size, seq_base, launch.min_split_len,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_slot, key_cache.stride(2), v_slot, value_cache.stride(2),
         block_tables.stride(0),

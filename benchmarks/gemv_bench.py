@@ -2,6 +2,7 @@
 
     python -m benchmarks.gemv_bench [--models 0.6b,8b] [--tp 1,2,4] [--m 1,4,8]
                                     [--dtype bfloat16] [--rep 5] [--full]
+    python -m benchmarks.gemv_bench --fused [--models 0.6b,8b] [--tp 1,2,4] [--dtype] [--rep]
 
 For every Qwen3 decode linear (0.6B, 8B, and the 8B tensor-parallel shards: column-parallel
 layers split N, row-parallel ones split K) and batch size M, times F.linear and every gemv config
@@ -11,6 +12,12 @@ HBM as in a real step (28-36 layers apart) rather than from the 50 MB L2. TB/s c
 bytes only. Prints per (shape, M) the best config, then per shape the config that is fastest
 over all M together, and last a `TUNED` table to paste into models/kernels/gemv.py (None where
 cuBLAS was faster over all M).
+
+`--fused` times models/kernels/fused_gemv.py at batch 1 instead, on the calls it would replace:
+the add + RMSNorm (torch.compile, models.layers.fusion) -> `linear` [-> silu_and_mul] sequence
+the model runs today against one fused_gemv per config, same cold weights and CUDA graphs. At
+TP > 1 the norm is fused into the all-reduce, so the gate_up shards fold in SiLU-and-mul only.
+Prints per shape the unfused time, the best fused config, and a `TUNED` table for fused_gemv.py.
 """
 
 from __future__ import annotations
@@ -33,6 +40,17 @@ LAYERS = [
 ]
 # Weight copies cycled per timed call: several times the H200's L2.
 COLD_BYTES = 256 << 20
+# (model, layer, N, K per rank, TP, norm, silu_mul): the batch-1 calls fused_gemv can replace.
+# norm: the in-layer add + RMSNorm before the linear (residual given); silu: SiLU-and-mul after.
+FUSED_CASES = [
+    ("0.6b", "qkv", 4096, 1024, 1, True, False),
+    ("0.6b", "gate_up", 6144, 1024, 1, True, True),
+    ("8b", "qkv", 6144, 4096, 1, True, False),
+    ("8b", "gate_up", 24576, 4096, 1, True, True),
+    ("8b", "gate_up", 12288, 4096, 2, False, True),
+    ("8b", "gate_up", 6144, 4096, 4, False, True),
+]
+EPS = 1e-6  # Qwen3's rms_norm_eps
 
 
 def reference_shapes(models: list[str], tps: list[int]) -> list[tuple[str, int, int]]:
@@ -113,6 +131,12 @@ def time_us(call: Callable[[torch.Tensor], Any], weights: list[torch.Tensor], re
     return bench(one_pass, rep=rep) * 1e3 / len(weights)
 
 
+def cold_weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Enough [N, K] weight copies that cycling through them reads each from HBM."""
+    copies = max(1, -(-COLD_BYTES // (n * k * dtype.itemsize)))
+    return [(torch.randn(n, k, device="cuda") / k**0.5).to(dtype) for _ in range(copies)]
+
+
 def bench_shape(n: int, k: int, ms: list[int], dtype: torch.dtype, rep: int, full: bool
                 ) -> tuple[dict[int, float], dict[Any, dict[int, float]]]:
     """(cuBLAS us per M, {config: us per M}) for one [N, K] weight; configs that fail to
@@ -124,9 +148,7 @@ def bench_shape(n: int, k: int, ms: list[int], dtype: torch.dtype, rep: int, ful
     from models.kernels.gemv import MAX_M, gemv, gemv_workspace
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    weight_bytes = n * k * dtype.itemsize
-    copies = max(1, -(-COLD_BYTES // weight_bytes))
-    weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(dtype) for _ in range(copies)]
+    weights = cold_weights(n, k, dtype)
     workspace = gemv_workspace(MAX_M, n, "cuda")
     cublas, results = {}, {}
     for m in ms:
@@ -162,7 +184,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rep", type=int, default=5, help="do_bench rep (ms)")
     parser.add_argument("--full", action="store_true", help="the wider config sweep")
+    parser.add_argument("--fused", action="store_true",
+                        help="fused_gemv (add + RMSNorm / SiLU-and-mul folded in) against the "
+                             "unfused sequence, batch 1 (--m and --full are not used)")
     args = parser.parse_args()
+    if args.fused:
+        main_fused(args)
+        return
     dtype = getattr(torch, args.dtype)
     ms = [int(v) for v in args.m.split(",")]
     shapes = reference_shapes(args.models.split(","), [int(t) for t in args.tp.split(",")])
@@ -227,6 +255,122 @@ def print_chosen(chosen: list, ms: list[int], dtype: torch.dtype) -> None:
                      f"{config_literal(cfg) if wins else 'None'},")
     print("\n# models/kernels/gemv.py; None: cuBLAS was faster summed over M")
     print("TUNED: dict[tuple[int, int, int], GemvConfig | None] = {")
+    print("\n".join(table))
+    print("}")
+
+
+# --------------------------------------------------------------------------- --fused
+
+
+def fused_candidates(k: int, dtype: torch.dtype) -> list[Any]:
+    """fused_gemv configs to time for one K: up to 8 columns per program, K tiles of 512-4096
+    elements no wider than K (4096: the whole 8B hidden row in one tile, so x is read once),
+    4 or 8 warps; not tiles too small to give every thread one 16-byte vector of weight."""
+    from models.kernels.fused_gemv import FusedGemvConfig
+
+    vec = 16 // dtype.itemsize
+    return [FusedGemvConfig(block_n, block_k, num_warps)
+            for block_k in (512, 1024, 2048, 4096) if block_k <= k
+            for block_n in (1, 2, 4, 8) for num_warps in (4, 8)
+            if block_n * block_k >= 32 * num_warps * vec]
+
+
+def unfused_call(x: torch.Tensor, residual: torch.Tensor | None,
+                 norm_weight: torch.Tensor | None, silu: bool
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`call(weight)`: the sequence the model runs today (add + RMSNorm and SiLU-and-mul
+    through torch.compile, the linear through models.layers.linear.linear)."""
+    from models.layers.activation import silu_and_mul
+    from models.layers.fusion import fused
+    from models.layers.layernorm import add_rms_norm
+    from models.layers.linear import linear
+
+    def call(weight: torch.Tensor) -> torch.Tensor:
+        h = x
+        if norm_weight is not None:
+            h, _ = fused(add_rms_norm, x)(x, residual, norm_weight, EPS)
+        y = linear(h, weight)
+        return fused(silu_and_mul, y)(y) if silu else y
+
+    return call
+
+
+def bench_fused_case(n: int, k: int, norm: bool, silu: bool, dtype: torch.dtype, rep: int
+                     ) -> tuple[float, dict[Any, float]]:
+    """(unfused us, {config: fused us}) for one [N, K] weight at batch 1; configs that fail to
+    compile or give wrong answers are reported and left out."""
+    from models.kernels.fused_gemv import fused_gemv
+
+    weights = cold_weights(n, k, dtype)
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    residual = torch.randn(1, k, device="cuda").to(dtype) if norm else None
+    norm_weight = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if norm else None
+    out = torch.empty(1, n // 2 if silu else n, device="cuda", dtype=dtype)
+    residual_out = torch.empty_like(x) if norm else None
+    unfused = unfused_call(x, residual, norm_weight, silu)
+    ref = unfused(weights[0]).float()  # also compiles the torch.compile'd parts
+    tol = 2e-2 * ref.abs().max().item()
+    unfused_us = time_us(unfused, weights, rep)
+    results = {}
+    for cfg in fused_candidates(k, dtype):
+        def call(weight: torch.Tensor, cfg: Any = cfg) -> torch.Tensor:
+            return fused_gemv(x, weight, norm_weight=norm_weight, eps=EPS, residual=residual,
+                              silu_mul=silu, out=out, residual_out=residual_out, config=cfg)[0]
+
+        try:
+            err = (call(weights[0]).float() - ref).abs().max().item()
+            if not err <= tol:
+                raise AssertionError(f"max error {err:.3g} > {tol:.3g}")
+            results[cfg] = time_us(call, weights, rep)
+        except Exception as exc:  # a config that cannot run here is skipped, not fatal
+            print(f"  N={n} K={k} {short_fused(cfg)}: {type(exc).__name__}: "
+                  f"{(str(exc).splitlines() or [''])[0][:120]}", file=sys.stderr)
+    return unfused_us, results
+
+
+def short_fused(cfg: Any) -> str:
+    return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}"
+
+
+def fused_label(model: str, layer: str, tp: int, norm: bool, silu: bool) -> str:
+    folded = "+".join(["add+norm"] * norm + ["silu"] * silu)
+    return f"{model} {layer}" + (f" tp{tp}" if tp > 1 else "") + f" ({folded})"
+
+
+def main_fused(args: argparse.Namespace) -> None:
+    from models.kernels.fused_gemv import choose_fused_config
+
+    dtype = getattr(torch, args.dtype)
+    models, tps = args.models.split(","), [int(t) for t in args.tp.split(",")]
+    print(f"GPU: {torch.cuda.get_device_name()}  dtype={args.dtype}  M=1  "
+          f"torch {torch.__version__}")
+    print(f"{'shape':<34}{'N':>7}{'K':>6}{'unfused us':>12}  {'best fused':<16}{'us':>8}"
+          f"{'speedup':>9}{'default us':>12}")
+    table = []
+    for model, layer, n, k, tp, norm, silu in FUSED_CASES:
+        if model not in models or tp not in tps:
+            continue
+        label = fused_label(model, layer, tp, norm, silu)
+        print(f"[{label}] N={n} K={k} ...", file=sys.stderr, flush=True)
+        unfused_us, results = bench_fused_case(n, k, norm, silu, dtype, args.rep)
+        torch.cuda.empty_cache()  # this shape's weight copies
+        default = results.get(choose_fused_config(n, k, dtype, silu))
+        dflt = f"{default:>12.2f}" if default else f"{'-':>12}"
+        if not results:
+            print(f"{label:<34}{n:>7}{k:>6}{unfused_us:>12.2f}  no fused config ran{dflt}")
+            continue
+        cfg = min(results, key=results.get)
+        us = results[cfg]
+        print(f"{label:<34}{n:>7}{k:>6}{unfused_us:>12.2f}  {short_fused(cfg):<16}{us:>8.2f}"
+              f"{unfused_us / us:>8.2f}x{dflt}", flush=True)
+        # Shapes where fusing lost stay in the table as comments, for the record.
+        lost = "" if us < unfused_us else "# slower than unfused: "
+        table.append(f"    # {label}: unfused {unfused_us:.2f} us -> fused {us:.2f} us")
+        table.append(f"    {lost}({n}, {k}, {dtype.itemsize}, {silu}): FusedGemvConfig("
+                     f"block_n={cfg.block_n}, block_k={cfg.block_k}, "
+                     f"num_warps={cfg.num_warps}),")
+    print("\n# models/kernels/fused_gemv.py")
+    print("TUNED: dict[tuple[int, int, int, bool], FusedGemvConfig] = {")
     print("\n".join(table))
     print("}")
 

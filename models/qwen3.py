@@ -18,8 +18,15 @@ from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.layernorm import RMSNorm
-from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    batch1_gemv_applies,
+    fused_gemv,
+)
 from models.layers.rotary import RotaryEmbedding
+from models.parallel import get_tp_size
 
 
 class Qwen3Attention(nn.Module):
@@ -48,7 +55,11 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [T, (H + 2 * Hkv) * D] (this rank's heads)
+        return self.attend(positions, self.qkv_proj(hidden_states), meta)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, (H + 2 * Hkv) * D] (this rank's heads) -> o_proj's output [T, hidden]."""
         kv_cache = self.attn.kv_cache
         if self._fused_store is not None and kv_cache is not None:
             q = self._fused_store(
@@ -77,6 +88,11 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.gate_up_proj.weight
+        if self.gate_up_proj.bias is None and batch1_gemv_applies(x, weight, silu_mul=True):
+            # One launch for the GEMV and SiLU-and-mul (at batch 1 the activation kernel
+            # costs about as much as its launch).
+            return self.down_proj(fused_gemv(x, weight, silu_mul=True)[0])
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -93,6 +109,8 @@ class Qwen3DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm, and so is the tensor-parallel sum
         # of the attention and MLP outputs: returns (mlp partial output, residual).
+        if self._norms_into_gemvs(hidden_states):
+            return self._forward_batch1(positions, hidden_states, residual, meta)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -103,6 +121,32 @@ class Qwen3DecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual,
                                                                 reduce=True)
         return self.mlp(hidden_states), residual
+
+    def _norms_into_gemvs(self, x: torch.Tensor) -> bool:
+        """Batch-1 decode on one rank (with more, a norm's input is a partial sum that the
+        all-reduce kernel normalizes), where the fused GEMV serves both projections."""
+        if get_tp_size() > 1:
+            return False
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        return (qkv.bias is None and gate_up.bias is None
+                and batch1_gemv_applies(x, qkv.weight)
+                and batch1_gemv_applies(x, gate_up.weight, silu_mul=True))
+
+    def _forward_batch1(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                        residual: torch.Tensor | None,
+                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward at batch 1: each norm (and its residual add) runs inside the GEMV that
+        reads its output, and SiLU-and-mul inside the gate_up GEMV: 3 launches fewer a
+        layer, which at batch 1 is most of what those kernels cost."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = fused_gemv(hidden_states, attn.qkv_proj.weight,
+                                   norm_weight=norm1.weight, eps=norm1.eps, residual=residual)
+        hidden_states = attn.attend(positions, qkv, meta)
+        act, residual = fused_gemv(hidden_states, mlp.gate_up_proj.weight,
+                                   norm_weight=norm2.weight, eps=norm2.eps, residual=residual,
+                                   silu_mul=True)
+        return mlp.down_proj(act), residual
 
 
 class Qwen3Model(nn.Module):

@@ -8,6 +8,8 @@ FULL checkpoint tensor (or a lazy safetensors slice of it) and copies this rank'
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         if use_gemv(x, weight):
             return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def batch1_gemv_applies(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
+    """Whether `fused_gemv` should serve x @ weight.T: one row of batch-1 decode on CUDA, on
+    a shape where models/kernels/fused_gemv.py measured faster than the unfused path."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+        return False
+    from models.kernels.fused_gemv import fused_gemv_supported, fused_gemv_tuned
+
+    return (fused_gemv_tuned(*weight.shape, x.dtype, silu_mul)
+            and fused_gemv_supported(x, weight, silu_mul=silu_mul))
+
+
+def fused_gemv(x: torch.Tensor, weight: torch.Tensor, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """models.kernels.fused_gemv.fused_gemv (imported on first use: triton is GPU-only)."""
+    from models.kernels.fused_gemv import fused_gemv as kernel
+
+    return kernel(x, weight, **kwargs)
 
 
 class LinearBase(nn.Module):

@@ -39,6 +39,33 @@ def test_float32_greedy_matches_transformers(tiny_model_dir, hf_model, block_siz
                 assert o.num_cached_tokens >= block_size
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_float32_batch1_greedy_matches_transformers(tiny_model_dir, hf_model, enforce_eager,
+                                                    monkeypatch):
+    """One request at a time: every decode step is batch 1, where the norms and SiLU-and-mul
+    run inside the GEMVs (models/kernels/fused_gemv.py). The tiny model's shapes are not in
+    the measured table, so the test puts them there (default configs)."""
+    from models.kernels import fused_gemv
+
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    qkv_rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
+    for rows, silu_mul in ((qkv_rows, False), (2 * cfg["intermediate_size"], True)):
+        monkeypatch.setitem(fused_gemv.TUNED, (rows, hidden, 4, silu_mul),
+                            fused_gemv.default_fused_config(rows, hidden, torch.float32,
+                                                            silu_mul))
+    llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", num_kv_blocks=512,
+              max_model_len=512, attention_backend="triton", enforce_eager=enforce_eager)
+    layer = llm.engine.model_runner.model.model.layers[0]
+    probe = torch.zeros(1, layer.input_layernorm.weight.shape[0], device="cuda")
+    assert layer._norms_into_gemvs(probe), "the batch-1 fused path is not taken"
+    for prompt in _prompts(4, vocab, seed=21):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+        assert out.token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_cuda_graphs_equal_eager(tiny_model_dir):
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     prompts = _prompts(37, vocab, seed=3)  # 37 rows: replays a padded graph
@@ -88,21 +115,44 @@ def qwen3_06b_dir(tmp_path_factory):
     return out
 
 
-def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
+def _hf_logits(model_dir, prompts: list[list[int]]) -> tuple[list, list]:
+    """transformers' logits per prompt position in bf16 and, same weights, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        ref16 = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
+        hf.float()
+        ref32 = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
+    return ref16, ref32
+
+
+def _assert_argmax_agreement(what: str, mine: torch.Tensor, ref16: list, ref32: list) -> None:
     """Raw agreement is bounded by bf16 itself on random weights (near-tied logits flip
     under any bf16 rounding: transformers' bf16 run disagrees with its own float32 run as
     often). So: (a) we agree with transformers-bf16 at least as often as transformers-bf16
     agrees with transformers-fp32, and (b) >= 98% at positions bf16 can decide, i.e. where
     the float32 top-1/top-2 margin exceeds 2x the bf16-vs-fp32 logit error there."""
-    from transformers import AutoModelForCausalLM
+    a16 = torch.cat([r.argmax(-1) for r in ref16])
+    a32 = torch.cat([r.argmax(-1) for r in ref32])
+    top2 = torch.cat([r.topk(2, dim=-1).values for r in ref32])
+    margin = top2[:, 0] - top2[:, 1]
+    noise = torch.cat([(x - y).pow(2).mean(-1).sqrt() for x, y in zip(ref16, ref32,
+                                                                     strict=True)])
+    decidable = margin > 2 * noise
+    rate = (mine == a16).float().mean().item()
+    floor = (a16 == a32).float().mean().item()
+    decided = (mine[decidable] == a16[decidable]).float().mean().item()
+    print(f"{what} argmax agreement: {rate:.4f} over {mine.numel()} positions; "
+          f"transformers bf16 vs its own float32: {floor:.4f}; at the "
+          f"{decidable.float().mean().item():.0%} decidable positions: {decided:.4f}")
+    assert rate >= floor - 0.01
+    assert decided >= 0.98
 
+
+def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
     prompts = _prompts(32, 10000, seed=11, lo=64, hi=256)
-    hf = AutoModelForCausalLM.from_pretrained(qwen3_06b_dir, dtype=torch.bfloat16).cuda().eval()
-    with torch.no_grad():
-        ref16 = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
-        hf.float()
-        ref32 = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
-    del hf
+    ref16, ref32 = _hf_logits(qwen3_06b_dir, prompts)
     llm = LLM(str(qwen3_06b_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
               max_model_len=1024, enforce_eager=True)
     runner, bm = llm.engine.model_runner, llm.engine.block_manager
@@ -117,20 +167,36 @@ def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
                 ours.append(runner.model.compute_logits(hidden).argmax(-1))
         finally:
             bm.free(seq)
-    a16 = torch.cat([r.argmax(-1) for r in ref16])
-    a32 = torch.cat([r.argmax(-1) for r in ref32])
-    mine = torch.cat(ours)
-    top2 = torch.cat([r.topk(2, dim=-1).values for r in ref32])
-    margin = top2[:, 0] - top2[:, 1]
-    noise = torch.cat([(x - y).pow(2).mean(-1).sqrt() for x, y in zip(ref16, ref32,
-                                                                     strict=True)])
-    decidable = margin > 2 * noise
-    rate = (mine == a16).float().mean().item()
-    floor = (a16 == a32).float().mean().item()
-    decided = (mine[decidable] == a16[decidable]).float().mean().item()
-    print(f"bf16 teacher-forced argmax agreement: {rate:.4f} over {mine.numel()} positions; "
-          f"transformers bf16 vs its own float32: {floor:.4f}; at the "
-          f"{decidable.float().mean().item():.0%} decidable positions: {decided:.4f}")
-    assert rate >= floor - 0.01
-    assert decided >= 0.98
+    _assert_argmax_agreement("bf16 teacher-forced", torch.cat(ours), ref16, ref32)
+
+
+def test_qwen3_06b_bf16_batch1_decode_argmax_agreement(qwen3_06b_dir):
+    """The batch-1 decode path (norms and SiLU-and-mul inside the GEMVs), teacher-forced one
+    position at a time after a prefill of half the prompt, against transformers."""
+    prompts = _prompts(4, 10000, seed=12, lo=96, hi=160)
+    ref16, ref32 = _hf_logits(qwen3_06b_dir, prompts)
+    llm = LLM(str(qwen3_06b_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
+              max_model_len=1024, enforce_eager=True)
+    runner, bm = llm.engine.model_runner, llm.engine.block_manager
+    ours, refs16, refs32 = [], [], []
+    for i, p in enumerate(prompts):
+        half = len(p) // 2
+        seq = Sequence(f"tf1-{i}", p, SamplingParams())
+        bm.allocate(seq, len(p))
+        try:
+            with torch.inference_mode():
+                ids, pos, meta, _ = runner.prepare_inputs([ScheduledSeq(seq, half, True, 0)])
+                runner.model(ids, pos, meta)  # fills the cache for positions < half
+                for start in range(half, len(p)):
+                    ids, pos, meta, _ = runner.prepare_inputs(
+                        [ScheduledSeq(seq, 1, True, start)])
+                    hidden = runner.model(ids, pos, meta)  # [1, hidden]: batch-1 decode
+                    ours.append(runner.model.compute_logits(hidden).argmax(-1))
+        finally:
+            bm.free(seq)
+        refs16.append(ref16[i][half:])
+        refs32.append(ref32[i][half:])
+    layer = runner.model.model.layers[0]
+    assert layer._norms_into_gemvs(hidden), "the batch-1 fused path is not taken"
+    _assert_argmax_agreement("bf16 batch-1 decode", torch.cat(ours), refs16, refs32)
 

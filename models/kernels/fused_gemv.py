@@ -61,10 +61,15 @@ class FusedGemvConfig:
 # `python -m benchmarks.gemv_bench --fused` on an H200; absent shapes take default_fused_config.
 # Whether the norm is folded in is not part of the key: no Qwen3 shape is timed both ways.
 TUNED: dict[tuple[int, int, int, bool], FusedGemvConfig] = {
-    # PROVISIONAL (the default config, not yet measured): Qwen3-0.6B qkv with the input
-    # norm, gate_up with the post-attention norm and SiLU-and-mul.
-    (4096, 1024, 2, False): FusedGemvConfig(block_n=4, block_k=1024),
-    (6144, 1024, 2, True): FusedGemvConfig(block_n=4, block_k=1024),
+    # Unfused = the compiled add-RMSNorm + linear() (+ the compiled SiLU-and-mul), us per call
+    # at batch 1, cold weights, CUDA graphs (gemv_bench --fused --rep 3, H200, 2026-11-21).
+    (4096, 1024, 2, False): FusedGemvConfig(block_n=2, block_k=1024),  # 0.6B qkv: 7.88 -> 5.10
+    (6144, 1024, 2, True): FusedGemvConfig(block_n=2, block_k=512),  # 0.6B gate_up: 10.30 -> 6.57
+    (6144, 4096, 2, False): FusedGemvConfig(block_n=2, block_k=2048),  # 8B qkv: 20.79 -> 17.40
+    (24576, 4096, 2, True): FusedGemvConfig(block_n=2, block_k=2048),  # 8B gate_up: 57.08 -> 52.70
+    # 8B gate_up shards at TP=2 / TP=4 (SiLU only; the norm is in the all-reduce kernel)
+    (12288, 4096, 2, True): FusedGemvConfig(block_n=1, block_k=2048, num_warps=8),  # 29.17 -> 24.77
+    (6144, 4096, 2, True): FusedGemvConfig(block_n=1, block_k=1024),  # 16.67 -> 13.96
 }
 
 

@@ -39,6 +39,13 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 # Mixed batches split the KV range only when some context is at least this long.
 MIN_SPLIT_CONTEXT = 1024
+# Decode batches of up to this many programs per SM, beyond those split to fill the SMs,
+# cut rows longer than DECODE_SPLIT_LEN keys in two: with contexts spread like the nano-vllm
+# bench workload's the longest rows otherwise run alone at the end of the launch (KV TB/s at
+# batch 48 / 64 / 96 / 128: 2.41 / 2.82 / 2.89 / 3.25 unsplit -> 2.88 / 2.93 / 3.14 / 3.40;
+# equal 1024-token contexts lose up to 7%: `attention_bench --sweep-splits`, H200).
+DECODE_SPLIT_PROGRAMS_PER_SM = 8
+DECODE_SPLIT_LEN = 512
 # Empty rows keep this finite running max, so fully masked tiles never produce inf - inf.
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -147,7 +154,11 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    # A row that took one partition is done: no partials, no merge.
+    partial = False
     if NUM_SPLITS > 1:
+        partial = num_parts > 1
+    if partial:
         ws = (t * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] workspace row
         tl.store(ws_max_ptr + ws, m_i, mask=row_ok)
         tl.store(ws_sum_ptr + ws, l_i, mask=row_ok)
@@ -264,11 +275,13 @@ def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_pe
         # distinct height would be one more compile, and launch_variants must list them all.
         block_q = prefill_q
         programs = (num_tokens // block_q + num_seqs) * num_kv_heads
-    num_splits = 1
+    num_splits, min_split_len = 1, 0
     long_enough = decode_only or max_seq_len >= MIN_SPLIT_CONTEXT
     if programs < 2 * num_sms and long_enough:
         num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, programs)))
-    return _tiles(block_q, num_splits, group_pad, dtype)
+    elif decode_only and programs <= DECODE_SPLIT_PROGRAMS_PER_SM * num_sms:
+        num_splits, min_split_len = 2, DECODE_SPLIT_LEN
+    return _tiles(block_q, num_splits, group_pad, dtype, min_split_len)
 
 
 def _block_qs(group_pad: int) -> tuple[int, int]:
@@ -278,13 +291,14 @@ def _block_qs(group_pad: int) -> tuple[int, int]:
     return decode_q, max(decode_q, 64 // group_pad)
 
 
-def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype
-           ) -> AttentionLaunch:
+def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype,
+           min_split_len: int = 0) -> AttentionLaunch:
     return AttentionLaunch(
         block_q=block_q,
         block_n=32 if dtype == torch.float32 else 64,  # fp32 tiles take twice the smem
         num_splits=num_splits,
         num_warps=8 if block_q * group_pad > 64 else 4,
+        min_split_len=min_split_len,
     )
 
 
@@ -293,8 +307,9 @@ def launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaun
     kernel): what an engine compiles at start-up instead of in the middle of serving."""
     group_pad = _group_pad(num_q_per_kv)
     splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
+    decode_q, _ = _block_qs(group_pad)
     return [_tiles(block_q, s, group_pad, dtype) for block_q in sorted(set(_block_qs(group_pad)))
-            for s in splits]
+            for s in splits] + [_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN)]
 
 
 def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,

@@ -127,12 +127,14 @@ def _hf_logits(model_dir, prompts: list[list[int]]) -> tuple[list, list]:
     return ref16, ref32
 
 
-def _assert_argmax_agreement(what: str, mine: torch.Tensor, ref16: list, ref32: list) -> None:
-    """Raw agreement is bounded by bf16 itself on random weights (near-tied logits flip
-    under any bf16 rounding: transformers' bf16 run disagrees with its own float32 run as
-    often). So: (a) we agree with transformers-bf16 at least as often as transformers-bf16
-    agrees with transformers-fp32, and (b) >= 98% at positions bf16 can decide, i.e. where
-    the float32 top-1/top-2 margin exceeds 2x the bf16-vs-fp32 logit error there."""
+def _argmax_agreement(what: str, mine: torch.Tensor, ref16: list, ref32: list
+                      ) -> tuple[float, float, float]:
+    """(rate, floor, decided). Raw agreement is bounded by bf16 itself on random weights
+    (near-tied logits flip under any bf16 rounding: transformers' bf16 run disagrees with its
+    own float32 run as often), so besides `rate` (agreement with transformers-bf16) this gives
+    `floor` (transformers-bf16 vs transformers-fp32) and `decided`: agreement at the positions
+    bf16 can decide, where the float32 top-1/top-2 margin exceeds 2x the bf16-vs-fp32 logit
+    error there."""
     a16 = torch.cat([r.argmax(-1) for r in ref16])
     a32 = torch.cat([r.argmax(-1) for r in ref32])
     top2 = torch.cat([r.topk(2, dim=-1).values for r in ref32])
@@ -146,8 +148,7 @@ def _assert_argmax_agreement(what: str, mine: torch.Tensor, ref16: list, ref32: 
     print(f"{what} argmax agreement: {rate:.4f} over {mine.numel()} positions; "
           f"transformers bf16 vs its own float32: {floor:.4f}; at the "
           f"{decidable.float().mean().item():.0%} decidable positions: {decided:.4f}")
-    assert rate >= floor - 0.01
-    assert decided >= 0.98
+    return rate, floor, decided
 
 
 def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
@@ -167,18 +168,17 @@ def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
                 ours.append(runner.model.compute_logits(hidden).argmax(-1))
         finally:
             bm.free(seq)
-    _assert_argmax_agreement("bf16 teacher-forced", torch.cat(ours), ref16, ref32)
+    rate, floor, decided = _argmax_agreement("bf16 teacher-forced", torch.cat(ours), ref16,
+                                             ref32)
+    assert rate >= floor - 0.01  # as often as transformers-bf16 agrees with its fp32 self
+    assert decided >= 0.98
 
 
-def test_qwen3_06b_bf16_batch1_decode_argmax_agreement(qwen3_06b_dir):
-    """The batch-1 decode path (norms and SiLU-and-mul inside the GEMVs), teacher-forced one
-    position at a time after a prefill of half the prompt, against transformers."""
-    prompts = _prompts(4, 10000, seed=12, lo=96, hi=160)
-    ref16, ref32 = _hf_logits(qwen3_06b_dir, prompts)
-    llm = LLM(str(qwen3_06b_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
-              max_model_len=1024, enforce_eager=True)
+def _batch1_decode_argmax(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    """Teacher-forced batch-1 decode: each prompt's first half as one prefill, then one
+    position a step; the argmax at every decoded position."""
     runner, bm = llm.engine.model_runner, llm.engine.block_manager
-    ours, refs16, refs32 = [], [], []
+    ours = []
     for i, p in enumerate(prompts):
         half = len(p) // 2
         seq = Sequence(f"tf1-{i}", p, SamplingParams())
@@ -194,9 +194,33 @@ def test_qwen3_06b_bf16_batch1_decode_argmax_agreement(qwen3_06b_dir):
                     ours.append(runner.model.compute_logits(hidden).argmax(-1))
         finally:
             bm.free(seq)
-        refs16.append(ref16[i][half:])
-        refs32.append(ref32[i][half:])
-    layer = runner.model.model.layers[0]
-    assert layer._norms_into_gemvs(hidden), "the batch-1 fused path is not taken"
-    _assert_argmax_agreement("bf16 batch-1 decode", torch.cat(ours), refs16, refs32)
+    return torch.cat(ours)
 
+
+def test_qwen3_06b_bf16_batch1_decode_argmax_agreement(qwen3_06b_dir, monkeypatch):
+    """The batch-1 decode path with the norms and SiLU-and-mul inside the GEMVs agrees with
+    transformers at >= 98% of decidable positions, and at least as often (within a point) as
+    the unfused decode path does on the same positions (its shapes taken out of the table).
+    Step-by-step bf16 decode drifts a little more than one prefill, so the prefill test's
+    floor is not the bar here: the unfused path measured 0.9622 against a floor of 0.9726."""
+    from models.kernels import fused_gemv
+
+    prompts = _prompts(16, 10000, seed=12, lo=96, hi=160)
+    ref16, ref32 = _hf_logits(qwen3_06b_dir, prompts)
+    refs16 = [r[len(p) // 2:] for r, p in zip(ref16, prompts, strict=True)]
+    refs32 = [r[len(p) // 2:] for r, p in zip(ref32, prompts, strict=True)]
+    llm = LLM(str(qwen3_06b_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
+              max_model_len=1024, enforce_eager=True)
+    layer = llm.engine.model_runner.model.model.layers[0]
+    probe = torch.zeros(1, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16,
+                        device="cuda")
+    assert layer._norms_into_gemvs(probe), "the batch-1 fused path is not taken"
+    fused_rate, _, fused_decided = _argmax_agreement(
+        "bf16 batch-1 decode (fused)", _batch1_decode_argmax(llm, prompts), refs16, refs32)
+    for key in [k for k in fused_gemv.TUNED if k[1] == 1024]:  # the 0.6B shapes
+        monkeypatch.delitem(fused_gemv.TUNED, key)
+    assert not layer._norms_into_gemvs(probe)
+    unfused_rate, _, _ = _argmax_agreement(
+        "bf16 batch-1 decode (unfused)", _batch1_decode_argmax(llm, prompts), refs16, refs32)
+    assert fused_decided >= 0.98
+    assert fused_rate >= unfused_rate - 0.01

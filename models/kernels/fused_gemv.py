@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels.gemv import MAX_BLOCK_N, TARGET_PROGRAMS
+from models.kernels.gemv import check_fma_tile, default_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Largest K served: every program re-reads x (and the residual) over K from L2 for the norm's
@@ -49,12 +49,7 @@ class FusedGemvConfig:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.block_k < 16:
-            raise ValueError(f"block_k must be >= 16, got {self.block_k}")
+        check_fma_tile(self.block_n, self.block_k, self.num_warps)
 
 
 # Measured winners per (N weight rows, K, element size in bytes, silu_mul), from
@@ -80,17 +75,10 @@ def fused_gemv_tuned(n: int, k: int, dtype: torch.dtype, silu_mul: bool) -> bool
 
 
 def default_fused_config(n: int, k: int, dtype: torch.dtype, silu_mul: bool) -> FusedGemvConfig:
-    """Unmeasured shapes: 16-byte loads by 32 lanes x 4 warps along K (one tile for the 0.6B
-    hidden size in bf16), and as many columns per program (up to MAX_BLOCK_N) as keeps
-    TARGET_PROGRAMS programs busy."""
-    vec = 16 // dtype.itemsize
-    num_warps = 4
-    block_k = min(32 * vec * num_warps, max(16, triton.next_power_of_2(k)))
-    n_out = n // 2 if silu_mul else n
-    block_n = MAX_BLOCK_N
-    while block_n > 1 and triton.cdiv(n_out, block_n) < TARGET_PROGRAMS:
-        block_n //= 2
-    return FusedGemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps)
+    """Unmeasured shapes: gemv's default tile for the outputs this kernel writes (with silu_mul
+    each program's columns read a gate row and an up row)."""
+    tile = default_config(n // 2 if silu_mul else n, k, dtype)
+    return FusedGemvConfig(tile.block_n, tile.block_k, tile.num_warps)
 
 
 def choose_fused_config(n: int, k: int, dtype: torch.dtype, silu_mul: bool) -> FusedGemvConfig:

@@ -51,6 +51,15 @@ TARGET_PROGRAMS = 264
 MAX_BLOCK_N = 4
 
 
+def check_fma_tile(block_n: int, block_k: int, num_warps: int) -> None:
+    """A GEMV tile's sizes: powers of two, and K steps of at least 16 elements."""
+    for name, value in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if block_k < 16:
+        raise ValueError(f"block_k must be >= 16, got {block_k}")
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch choice of `gemv`; a pure function of (N, K, dtype) via `choose_config`."""
@@ -65,12 +74,7 @@ class GemvConfig:
     num_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.block_k < 16:
-            raise ValueError(f"block_k must be >= 16, got {self.block_k}")
+        check_fma_tile(self.block_n, self.block_k, self.num_warps)
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"split_k and num_stages must be >= 1, got {self}")
         if self.kind not in ("fma", "mma"):

@@ -43,7 +43,7 @@ MIN_SPLIT_CONTEXT = 1024
 # cut rows longer than DECODE_SPLIT_LEN keys in two: with contexts spread like the nano-vllm
 # bench workload's the longest rows otherwise run alone at the end of the launch (KV TB/s at
 # batch 48 / 64 / 96 / 128: 2.41 / 2.82 / 2.89 / 3.25 unsplit -> 2.88 / 2.93 / 3.14 / 3.40;
-# equal 1024-token contexts lose up to 7%: `attention_bench --sweep-splits`, H200).
+# equal 1024-token contexts lose up to 9%: `attention_bench --sweep-splits`, H200).
 DECODE_SPLIT_PROGRAMS_PER_SM = 8
 DECODE_SPLIT_LEN = 512
 # Empty rows keep this finite running max, so fully masked tiles never produce inf - inf.
@@ -128,7 +128,7 @@ def _paged_attention_kernel(
     else:
         kv_lo = 0
         kv_end = kv_hi
-        num_parts = 1  # a name Triton's compiler resolves in the (dead) partials branch
+        num_parts = 1  # a constant: the partials branch below is compiled out
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
@@ -156,10 +156,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     # A row that took one partition is done: no partials, no merge.
-    partial = False
-    if NUM_SPLITS > 1:
-        partial = num_parts > 1
-    if partial:
+    if num_parts > 1:
         ws = (t * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] workspace row
         tl.store(ws_max_ptr + ws, m_i, mask=row_ok)
         tl.store(ws_sum_ptr + ws, l_i, mask=row_ok)

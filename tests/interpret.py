@@ -43,3 +43,26 @@ def run_checks(checks: list[tuple[str, Callable[[], None]]]) -> None:
             failed = True
             print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
     sys.exit(1 if failed else 0)
+
+
+def round_bf16_like_the_gpu() -> None:
+    """Script side: Triton 3.x's interpreter casts float32 -> bfloat16 by truncation; the GPU
+    (cvt.rn.bf16.f32) and torch round to nearest even. Left alone, every bf16 rounding in a
+    kernel would be off by up to an ulp and a check would test the interpreter's rounding
+    rather than the kernel's arithmetic: make that one cast round as the hardware does."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = torch.from_numpy(np.array(src.data, dtype=np.float32))
+            bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits.reshape(src.data.shape), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    builder.cast_impl = cast_impl

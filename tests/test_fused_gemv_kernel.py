@@ -19,7 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.interpret import assert_check_passed, run_checks, run_interpreted
+from tests.interpret import (
+    assert_check_passed,
+    round_bf16_like_the_gpu,
+    run_checks,
+    run_interpreted,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -94,9 +99,12 @@ def run(inp: Inputs, eps: float, silu: bool, config=None, out=None, residual_out
                       config=config)
 
 
-def assert_out_matches(got: torch.Tensor, inp: Inputs, eps: float, silu: bool, what: str
-                       ) -> None:
-    exact, composed, _ = reference(inp, eps, silu)
+def assert_matches(got: torch.Tensor, exact: torch.Tensor, what: str,
+                   composed: torch.Tensor | None = None) -> None:
+    """got vs the torch path's output `exact`: float32 within 1e-5; half precision within
+    HALF_RTOL of the scale of `composed` (default: exact) and bit for bit on all but
+    MAX_MISMATCH of the outputs. Shared with tests/gpu/test_fused_gemv_gpu.py."""
+    composed = exact if composed is None else composed
     assert got.shape == exact.shape and got.dtype == exact.dtype, (what, got.shape, got.dtype)
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5, msg=what)
@@ -107,6 +115,12 @@ def assert_out_matches(got: torch.Tensor, inp: Inputs, eps: float, silu: bool, w
     mismatches = int((got != exact).sum())
     assert mismatches <= max(1, MAX_MISMATCH * got.numel()), (
         f"{what}: {mismatches} of {got.numel()} outputs differ from the torch path (rounding?)")
+
+
+def assert_out_matches(got: torch.Tensor, inp: Inputs, eps: float, silu: bool, what: str
+                       ) -> None:
+    exact, composed, _ = reference(inp, eps, silu)
+    assert_matches(got, exact, what, composed)
 
 
 def check_call(inp: Inputs, combo: Combo, eps: float, config, what: str) -> None:
@@ -182,32 +196,10 @@ def test_config_validation_and_choice() -> None:
 # --------------------------------------------------------------------------- subprocess side
 
 
-def _round_bf16_like_the_gpu() -> None:
-    """Triton's interpreter casts float32 -> bfloat16 by truncation; the GPU (cvt.rn.bf16.f32)
-    and torch round to nearest even. Left alone, the bit-level checks would test the
-    interpreter's rounding, not the kernel's: make that one cast round as the hardware does.
-    (The same patch as tests/test_qk_norm_rope_kernel.py's.)"""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    truncating_cast = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16)
-            bits = rounded.view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits.reshape(src.data.shape), tl.bfloat16)
-        return truncating_cast(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-
-
 def _main() -> None:
     from models.kernels.fused_gemv import FusedGemvConfig
 
-    _round_bf16_like_the_gpu()
+    round_bf16_like_the_gpu()
     gen = torch.Generator().manual_seed(0)
     configs = {
         "n4_k64": FusedGemvConfig(block_n=4, block_k=64, num_warps=2),  # several K tiles

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.interpret import assert_check_passed, run_checks, run_interpreted
+from tests.interpret import (
+    assert_check_passed,
+    round_bf16_like_the_gpu,
+    run_checks,
+    run_interpreted,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -184,31 +189,8 @@ def test_qk_norm_rope_kernel_check_interpreted(interpreter_run: str, check: str)
 # --------------------------------------------------------------------------- subprocess side
 
 
-def _round_bf16_like_the_gpu() -> None:
-    """Triton 3.x's interpreter casts float32 -> bfloat16 by truncation; the GPU
-    (cvt.rn.bf16.f32) and torch round to nearest even. Left alone, every bf16 rounding of
-    the norm and rotary would be off by up to an ulp, so the interpreter would test its own
-    rounding rather than the kernel's arithmetic: make that one cast round as the hardware
-    does."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.array(src.data, dtype=np.float32))
-            bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits.reshape(src.data.shape), tl.bfloat16)
-        return original(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-
-
 def _main() -> None:
-    _round_bf16_like_the_gpu()
+    round_bf16_like_the_gpu()
     gen = torch.Generator().manual_seed(4321)
 
     def cases_check(name: str):

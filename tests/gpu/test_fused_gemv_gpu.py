@@ -17,11 +17,10 @@ import torch.nn.functional as F
 from benchmarks.gemv_bench import fused_candidates
 from models.kernels.fused_gemv import FusedGemvConfig, fused_gemv, fused_gemv_supported
 from models.layers.layernorm import add_rms_norm, rms_norm
+from tests.test_fused_gemv_kernel import assert_matches
 
 DEVICE = torch.device("cuda")
 EPS = 1e-6
-HALF_RTOL = 1e-2
-MAX_MISMATCH = 0.03  # share of bf16 outputs (or one) allowed to differ from the reference
 
 # (label, N weight rows, K, norm, residual, silu_mul): Qwen3-0.6B and 8B at TP=1 (add + norm
 # folded in, and the first layer's norm without a residual), and the 8B gate_up shards at
@@ -70,26 +69,13 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor 
     return y, new_residual
 
 
-def _assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=what)
-        return
-    scale = want.double().abs().max().item()
-    err = (got.double() - want.double()).abs().max().item()
-    assert err < HALF_RTOL * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
-    mismatches = int((got != want).sum())
-    assert mismatches <= max(1, MAX_MISMATCH * got.numel()), (
-        f"{what}: {mismatches} of {got.numel()} outputs differ from the torch path (rounding?)")
-
-
 def _check(inp: dict, silu: bool, config: FusedGemvConfig | None, what: str) -> None:
     x, residual = inp["x"], inp["residual"]
     x_before = x.clone()
     residual_before = residual.clone() if residual is not None else None
     want, want_residual = _reference(**inp, silu=silu)
     got, new_residual = fused_gemv(**inp, eps=EPS, silu_mul=silu, config=config)
-    _assert_matches(got, want, what)
+    assert_matches(got, want, what)
     assert torch.equal(x, x_before), f"{what}: x was written"
     if residual is None:
         assert new_residual is x, f"{what}: without a residual, x is the new residual"
@@ -150,6 +136,6 @@ def test_cuda_graph_replay_with_new_inputs(case: tuple) -> None:
         graph.replay()
         torch.cuda.synchronize()
         want, want_residual = _reference(**static, silu=silu)
-        _assert_matches(out, want, f"{label} replay seed={seed}")
+        assert_matches(out, want, f"{label} replay seed={seed}")
         if residual_out is not None:
             assert torch.equal(residual_out, want_residual), f"{label} replay residual"

@@ -89,7 +89,7 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.gate_up_proj.weight
-        if self.gate_up_proj.bias is None and batch1_gemv_applies(x, weight, silu_mul=True):
+        if batch1_gemv_applies(x, weight, silu_mul=True):
             # One launch for the GEMV and SiLU-and-mul (at batch 1 the activation kernel
             # costs about as much as its launch).
             return self.down_proj(fused_gemv(x, weight, silu_mul=True)[0])
@@ -127,10 +127,9 @@ class Qwen3DecoderLayer(nn.Module):
         all-reduce kernel normalizes), where the fused GEMV serves both projections."""
         if get_tp_size() > 1:
             return False
-        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
-        return (qkv.bias is None and gate_up.bias is None
-                and batch1_gemv_applies(x, qkv.weight)
-                and batch1_gemv_applies(x, gate_up.weight, silu_mul=True))
+        qkv = self.self_attn.qkv_proj  # gate_up_proj never has a bias; qkv may
+        return (qkv.bias is None and batch1_gemv_applies(x, qkv.weight)
+                and batch1_gemv_applies(x, self.mlp.gate_up_proj.weight, silu_mul=True))
 
     def _forward_batch1(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                         residual: torch.Tensor | None,

@@ -19,7 +19,7 @@ file fast, never vacuous: any edit to a kernel misses it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -164,7 +164,8 @@ def _attention_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=launch.num_splits,
             MERGE_ROWS=pa._merge_rows(block_m, launch.num_splits, head_dim,
                                       launch.num_warps),
-            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=True,
+            PREFETCH_KV=launch.prefetch_kv),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         ints=dict(num_heads=num_heads, block_size=block_size,
                   stride_qt=num_heads * head_dim, stride_qh=head_dim,
@@ -183,14 +184,14 @@ def _attention_cases() -> list[Any]:
         for v in (v for v in variants if v.num_splits in splits):
             case = _attention_case(heads, kv_heads, head_dim, dtype, v, block_size=16)
             vid = (f"{label}-q{v.block_q}-n{v.block_n}-s{v.num_splits}-w{v.num_warps}"
-                   f"-min{v.min_split_len}")
+                   f"-min{v.min_split_len}" + "-prefetch" * v.prefetch_kv)
             cases.append(pytest.param(case, id=f"paged_attention-{vid}"))
     # forward_no_cache (the profiling pass) launches with block_size 1, which Triton turns
     # into a constant: a compile of its own, on prefill tiles (decode_only=False).
     heads, kv_heads, head_dim, dtype = 16, 8, 128, torch.bfloat16
     _, prefill_q = pa._block_qs(pa._group_pad(heads // kv_heads))
     for v in pa.launch_variants(heads // kv_heads, dtype):
-        if v.block_q == prefill_q:
+        if not v.prefetch_kv:  # the prefill tiles
             case = _attention_case(heads, kv_heads, head_dim, dtype, v, block_size=1)
             cases.append(pytest.param(
                 case, id=f"paged_attention-qwen3-0.6b-block1-q{v.block_q}-s{v.num_splits}"))
@@ -213,7 +214,7 @@ def _fused_gemv_cases() -> list[Any]:
                                "r_out_ptr"),
                 constexprs=dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=16 // itemsize,
                                 EVEN_K=k % cfg.block_k == 0, HAS_NORM=has_norm,
-                                HAS_RESIDUAL=has_residual, SILU_MUL=silu_mul),
+                                HAS_RESIDUAL=has_residual, SILU_MUL=silu_mul, PDL=True),
                 num_warps=cfg.num_warps,
                 ints=dict(n_out=n // 2 if silu_mul else n, K=k),
                 floats=("eps",),
@@ -237,7 +238,7 @@ def _gemv_case(n: int, k: int, dtype: str, cfg: gemv.GemvConfig, has_bias: bool,
                         USE_MMA=cfg.kind == "mma",
                         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
                         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=has_bias,
-                        SPLIT_K=k_chunk < k),
+                        SPLIT_K=k_chunk < k, PDL=True),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ints=dict(M=m, N=n, K=k, stride_xm=k, stride_om=n, k_chunk=k_chunk),
     )
@@ -270,7 +271,7 @@ def _gemv_cases() -> list[Any]:
         case = Case(
             kernel=gemv._split_k_finalize_kernel,
             pointers={**_ptrs("fp32", "ws_ptr"), **_ptrs("bf16", "b_ptr", "out_ptr")},
-            constexprs=dict(HAS_BIAS=has_bias, BLOCK=gemv._FINALIZE_BLOCK),
+            constexprs=dict(HAS_BIAS=has_bias, BLOCK=gemv._FINALIZE_BLOCK, PDL=True),
             num_warps=4, ints=dict(M=4, N=1024, stride_om=1024),
         )
         cases.append(pytest.param(case, id=f"gemv-split_k_finalize-bias{int(has_bias)}"))
@@ -320,7 +321,7 @@ def _qk_norm_rope_cases() -> list[Any]:
                       **_ptrs("i64", "positions_ptr", "slot_mapping_ptr"),
                       **_ptrs("fp32", "cos_sin_ptr")},
             constexprs=dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                            ROTARY_DIM=head_dim),
+                            ROTARY_DIM=head_dim, PDL=True),
             num_warps=qk_norm_rope._num_warps(head_dim),
             ints=dict(stride_qkv_t=(heads + 2 * kv_heads) * head_dim,
                       stride_out_t=heads * head_dim, stride_cos_sin=head_dim,
@@ -375,7 +376,7 @@ def _all_reduce_norm_cases() -> list[Any]:
                                       "residual_out_ptr"),
                               **_ptrs("i64", "data_ptrs", "flag_ptrs"),
                               **_ptrs("i32", "epochs_ptr")},
-                    constexprs=dict(RANK=rank, WORLD=world, BLOCK_H=block_h),
+                    constexprs=dict(RANK=rank, WORLD=world, BLOCK_H=block_h, PDL=True),
                     num_warps=4 if block_h <= 2048 else 8,
                     ints=dict(hidden=hidden, flag_rows=1024, data_rows=data_rows,
                               stride_x=hidden, stride_r=hidden, stride_o=hidden,
@@ -387,14 +388,31 @@ def _all_reduce_norm_cases() -> list[Any]:
     return cases
 
 
+def _without_pdl(cases: list[Any]) -> list[Any]:
+    """Kernels with a PDL switch are launched with it on sm_90+ (the cases above); without it
+    (NANOSERVE_PDL=0, older GPUs) they compile other code, so each compiles so once."""
+    seen, plain = set(), []
+    for param in cases:
+        case = param.values[0]
+        if case.constexprs.get("PDL") and case.kernel not in seen:
+            seen.add(case.kernel)
+            plain.append(pytest.param(
+                replace(case, constexprs={**case.constexprs, "PDL": False}),
+                id=f"{param.id}-no_pdl"))
+    return plain
+
+
 CASES = (_attention_cases() + _fused_gemv_cases() + _gemv_cases() + _store_kv_cases()
          + _qk_norm_rope_cases() + _sample_cases() + _all_reduce_norm_cases())
+CASES += _without_pdl(CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_compiles_for_sm90(case: Case) -> None:
     sig, consts, attrs = signature(case)
     options: dict[str, int] = {"num_warps": case.num_warps}
+    if case.constexprs.get("PDL"):
+        options["launch_pdl"] = True  # what the launcher passes with PDL on
     if case.num_stages is not None:
         options["num_stages"] = case.num_stages
     src = ASTSource(fn=case.kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -402,6 +420,9 @@ def test_compiles_for_sm90(case: Case) -> None:
     name = case.kernel.__name__
     assert compiled.asm.get("cubin"), f"{name}: ptxas produced no cubin"
     assert ".target sm_90" in compiled.asm["ptx"], f"{name}: PTX not built for sm_90"
+    # With PDL on, the kernel must wait for the previous one (or it races with it).
+    pdl = bool(case.constexprs.get("PDL"))
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl, f"{name}: PDL={pdl}"
     assert compiled.metadata.shared <= SM90_MAX_SHARED_BYTES, (
         f"{name} needs {compiled.metadata.shared} bytes of shared memory, "
         f"sm_90 has {SM90_MAX_SHARED_BYTES} per block")

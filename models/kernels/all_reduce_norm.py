@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
+
 
 @triton.jit
 def _store_release(addrs, values):
@@ -71,8 +73,9 @@ def _all_reduce_add_rms_norm_kernel(
     data_ptrs, flag_ptrs, epochs_ptr,
     eps, hidden, flag_rows, data_rows,
     stride_x, stride_r, stride_o, stride_ro,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)  # x is the previous kernel's output
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -150,12 +153,13 @@ def all_reduce_add_rms_norm(
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x)
     block_h = triton.next_power_of_2(hidden)
+    pdl = pdl_enabled(x.device)
     _all_reduce_add_rms_norm_kernel[(num_rows,)](
         x, residual, weight, out, residual_out,
         data_ptrs, flag_ptrs, epochs,
         eps, hidden, flag_rows, rows,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-        RANK=rank, WORLD=world_size, BLOCK_H=block_h,
-        num_warps=4 if block_h <= 2048 else 8,
+        RANK=rank, WORLD=world_size, BLOCK_H=block_h, PDL=pdl,
+        num_warps=4 if block_h <= 2048 else 8, launch_pdl=pdl,
     )
     return out, residual_out

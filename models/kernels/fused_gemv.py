@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.gemv import check_fma_tile, default_config
+from models.kernels.pdl import pdl_enabled, prefetch_l2, wait_for_prior_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Largest K served: every program re-reads x (and the residual) over K from L2 for the norm's
@@ -156,6 +157,7 @@ def _fused_gemv_kernel(
     n_out, K, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     KV: tl.constexpr = BLOCK_K // VEC
@@ -172,10 +174,20 @@ def _fused_gemv_kernel(
     nw_ptrs = nw_ptr + k_in
     in_k = k_in < K
 
-    # Tile 0's weights first: their HBM latency overlaps the statistics pass below.
+    if PDL:
+        # Weights are never written by a kernel: L2 fetches this program's rows (one
+        # contiguous slice, and its up half's) while the previous kernel finishes.
+        row0 = pid * BLOCK_N
+        slice_bytes = tl.minimum(n_out - row0, BLOCK_N) * K * (16 // VEC)
+        prefetch_l2(w_ptr + row0.to(tl.int64) * K, slice_bytes)
+        if SILU_MUL:
+            prefetch_l2(w_ptr + (row0 + n_out).to(tl.int64) * K, slice_bytes)
+    # Tile 0's weights first: their HBM latency overlaps the statistics pass below (and,
+    # with PDL, the previous kernel's end).
     w_gate = _load(gate_ptrs, 0, in_k, EVEN_K)
     if SILU_MUL:
         w_up = _load(up_ptrs, 0, in_k, EVEN_K)
+    wait_for_prior_kernel(PDL)  # x and the residual come from earlier kernels
     s = _load_s(x_ptrs, r_ptrs, 0, in_k, HAS_RESIDUAL, EVEN_K)  # [1, KV, VEC]
     if HAS_NORM:
         nw = _load(nw_ptrs, 0, in_k, EVEN_K)
@@ -291,6 +303,7 @@ def fused_gemv(
         f"got {tuple(out.shape)} {out.dtype}")
 
     cfg = config or choose_fused_config(n, k, x.dtype, silu_mul)
+    pdl = pdl_enabled(x.device) and weight.data_ptr() % 16 == 0
     _fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, weight, out,
@@ -298,6 +311,7 @@ def fused_gemv(
         n_out, k, eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=16 // x.element_size(),
         EVEN_K=k % cfg.block_k == 0, HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, num_warps=cfg.num_warps,
+        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, PDL=pdl,
+        num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     return out, residual_out if residual is not None else x

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.pdl import pdl_enabled, prefetch_l2, wait_for_prior_kernel
+
 MAX_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # x rows in the tensor-core dot (N of the mma tile); rows past M re-read row M-1.
@@ -273,7 +275,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_om, k_chunk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_MMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last tile re-reads row N-1 instead of masking every weight load; its stores are
@@ -281,6 +283,13 @@ def _gemv_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_start = tl.program_id(1) * k_chunk
     k_end = tl.minimum(k_start + k_chunk, K)
+    if PDL and not SPLIT_K:
+        # The program's weight rows are one contiguous slice, and no kernel writes weights:
+        # L2 fetches them while the previous kernel finishes.
+        row0 = tl.program_id(0) * BLOCK_N
+        prefetch_l2(w_ptr + row0.to(tl.int64) * K,
+                    tl.minimum(N - row0, BLOCK_N) * K * (16 // VEC))
+    wait_for_prior_kernel(PDL)
     if USE_MMA:
         acc = _mma_tile(x_ptr, w_ptr, M, K, stride_xm, rows, k_start, k_end,
                         BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
@@ -309,8 +318,9 @@ def _gemv_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _split_k_finalize_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
-                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = workspace (+ bias), then zero the workspace for the next call."""
+    wait_for_prior_kernel(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
@@ -369,6 +379,9 @@ def gemv(
         assert workspace.dtype == torch.float32 and workspace.is_contiguous()
         assert workspace.numel() >= num_rows * n, "workspace smaller than M * N"
     grid = (triton.cdiv(n, cfg.block_n), splits)
+    # Bulk prefetches need 16-byte aligned rows (K % 16 == 0 makes every row so when the
+    # weight's start is).
+    pdl = pdl_enabled(x.device) and weight.data_ptr() % 16 == 0 and k % 16 == 0
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out,
         workspace if split else out,
@@ -376,12 +389,13 @@ def gemv(
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, VEC=16 // x.element_size(),
         USE_MMA=cfg.kind == "mma",
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if split:
         _split_k_finalize_kernel[(triton.cdiv(num_rows * n, _FINALIZE_BLOCK),)](
             workspace, bias if bias is not None else out, out, num_rows, n, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=_FINALIZE_BLOCK, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK=_FINALIZE_BLOCK, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
         )
     return out

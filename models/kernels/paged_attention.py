@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.pdl import _bulk_prefetch, pdl_enabled, wait_for_prior_kernel
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 # Mixed batches split the KV range only when some context is at least this long.
@@ -64,11 +66,14 @@ def _paged_attention_kernel(
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH_KV: tl.constexpr,
 ):
     # block_size is a runtime int: one compiled kernel serves every block size. NUM_SPLITS
     # is compile-time because the merge loads [rows, NUM_SPLITS, HEAD_DIM] tiles; split
     # counts are few powers of two, and unsplit launches always compile with 1.
+    if not PREFETCH_KV:
+        # The metadata below may come from the kernel right before (forward_no_cache).
+        wait_for_prior_kernel(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,10 +101,39 @@ def _paged_attention_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + seq) - q_base  # row of query/out
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_base - q_start
     tile = pid - (q_start // BLOCK_Q + seq)
-    if tile * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # tokens cached before this step: query i sits at ctx_len + i
+    # Causal: no row of this tile sees keys past its last query token.
+    kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
+    if NUM_SPLITS > 1:
+        # Partitions of at least min_split_len keys: a short context takes fewer of them
+        # (less merge work), and a batch of mixed lengths gets work units of similar size,
+        # so its longest rows do not run alone at the end of the launch.
+        part = tl.maximum(tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+                          min_split_len)
+        num_parts = tl.maximum(tl.cdiv(kv_hi, part), 1)
+        kv_lo = split * part
+        kv_end = tl.minimum(kv_hi, kv_lo + part)
+    else:
+        kv_lo = 0
+        kv_end = kv_hi
+        num_parts = 1  # a constant: the partials branch below is compiled out
+    live = (tile * BLOCK_Q < q_len) & (split < num_parts)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_k_head
+    v_base = v_cache_ptr + kv_head * stride_v_head
+    if PDL and PREFETCH_KV:  # (an empty range for programs with nothing to do)
+        _prefetch_first_keys(bt_row, k_base, v_base, kv_lo, tl.where(live, kv_end, kv_lo),
+                             block_size, stride_k_slot, stride_v_slot,
+                             HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    if PREFETCH_KV:
+        # Everything above read only metadata and the cache (see _prefetch_first_keys); q
+        # comes from the previous kernel.
+        wait_for_prior_kernel(PDL)
+    # Only now, after the wait: the next kernel's wait relies on every program of this one
+    # having waited.
+    if not live:
+        return
 
     rows = tl.arange(0, BLOCK_M)
     tok = tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the sequence
@@ -112,30 +146,9 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
 
-    # Causal: no row of this tile sees keys past its last query token.
-    kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
-    if NUM_SPLITS > 1:
-        # Partitions of at least min_split_len keys: a short context takes fewer of them
-        # (less merge work), and a batch of mixed lengths gets work units of similar size,
-        # so its longest rows do not run alone at the end of the launch.
-        part = tl.maximum(tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N,
-                          min_split_len)
-        num_parts = tl.maximum(tl.cdiv(kv_hi, part), 1)
-        if split >= num_parts:
-            return
-        kv_lo = split * part
-        kv_end = tl.minimum(kv_hi, kv_lo + part)
-    else:
-        kv_lo = 0
-        kv_end = kv_hi
-        num_parts = 1  # a constant: the partials branch below is compiled out
-
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kv_head * stride_k_head
-    v_base = v_cache_ptr + kv_head * stride_v_head
     for start in range(kv_lo, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
         n_ok = n < kv_end
@@ -179,6 +192,30 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _prefetch_first_keys(bt_row, k_base, v_base, kv_lo, kv_end, block_size,
+                         stride_k_slot, stride_v_slot, ROW_BYTES: tl.constexpr):
+    """Ask L2 for the K and V rows of the partition's first num_threads / 2 keys, one bulk
+    prefetch per thread, before the wait for the previous kernel: at decode a partition's
+    first tile is a chain of dependent loads (block table, K, V), and with a short context
+    that chain is the whole kernel.
+
+    Safe before the wait only because no kernel of the chain writes the metadata (the host
+    copies it in before the forward's first kernel, which is not a PDL launch), and an L2
+    prefetch of the row this step's store is writing is harmless: L2 is where that store
+    lands. Launches whose metadata the kernel right before computed (forward_no_cache) must
+    not prefetch."""
+    THREADS: tl.constexpr = tl.extra.cuda.num_threads()
+    i = tl.arange(0, THREADS)
+    n = kv_lo + i % (THREADS // 2)  # [THREADS] each key twice: its K row, then its V row
+    ok = n < kv_end
+    block = tl.load(bt_row + n // block_size, mask=ok, other=0).to(tl.int64)
+    slot = block * block_size + n % block_size
+    rows = tl.where(i < THREADS // 2, k_base + slot * stride_k_slot,
+                    v_base + slot * stride_v_slot)
+    _bulk_prefetch(rows.to(tl.pointer_type(tl.int8)), tl.where(ok, ROW_BYTES, 0))
 
 
 @triton.jit
@@ -235,6 +272,10 @@ class AttentionLaunch:
     # Keys per partition at least (a runtime argument, not a compile key): rows shorter
     # than num_splits * min_split_len take fewer partitions.
     min_split_len: int = 0
+    # Decode launches: with PDL, read the metadata and prefetch the first keys' K/V rows into
+    # L2 before waiting for the previous kernel. Only where no kernel right before the launch
+    # writes its metadata (decode metadata is copied in by the host before the forward).
+    prefetch_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_n", "num_splits"):
@@ -279,7 +320,7 @@ def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_pe
         num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, programs)))
     elif decode_only and programs <= DECODE_SPLIT_PROGRAMS_PER_SM * num_sms:
         num_splits, min_split_len = 2, DECODE_SPLIT_LEN
-    return _tiles(block_q, num_splits, group_pad, dtype, min_split_len)
+    return _tiles(block_q, num_splits, group_pad, dtype, min_split_len, prefetch_kv=decode_only)
 
 
 def _block_qs(group_pad: int) -> tuple[int, int]:
@@ -290,13 +331,14 @@ def _block_qs(group_pad: int) -> tuple[int, int]:
 
 
 def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype,
-           min_split_len: int = 0) -> AttentionLaunch:
+           min_split_len: int = 0, prefetch_kv: bool = False) -> AttentionLaunch:
     return AttentionLaunch(
         block_q=block_q,
         block_n=32 if dtype == torch.float32 else 64,  # fp32 tiles take twice the smem
         num_splits=num_splits,
         num_warps=8 if block_q * group_pad > 64 else 4,
         min_split_len=min_split_len,
+        prefetch_kv=prefetch_kv,
     )
 
 
@@ -305,9 +347,10 @@ def launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaun
     kernel): what an engine compiles at start-up instead of in the middle of serving."""
     group_pad = _group_pad(num_q_per_kv)
     splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
-    decode_q, _ = _block_qs(group_pad)
-    return [_tiles(block_q, s, group_pad, dtype) for block_q in sorted(set(_block_qs(group_pad)))
-            for s in splits] + [_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN)]
+    decode_q, prefill_q = _block_qs(group_pad)
+    decode = [_tiles(decode_q, s, group_pad, dtype, prefetch_kv=True) for s in splits]
+    decode.append(_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN, prefetch_kv=True))
+    return decode + [_tiles(prefill_q, s, group_pad, dtype) for s in splits]
 
 
 def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
@@ -407,6 +450,7 @@ def paged_attention(
     # With block_size 1 a "block" is one slot, so the slot stride is the block stride.
     k_slot = key_cache.stride(0) if block_size == 1 else key_cache.stride(1)
     v_slot = value_cache.stride(0) if block_size == 1 else value_cache.stride(1)
+    pdl = pdl_enabled(query.device)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out,
         ws_acc, ws_max, ws_sum, counters,
@@ -419,7 +463,8 @@ def paged_attention(
         BLOCK_Q=launch.block_q, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, NUM_SPLITS=splits,
         MERGE_ROWS=_merge_rows(block_m, splits, head_dim, launch.num_warps),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
+        PREFETCH_KV=launch.prefetch_kv,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl,
     )
     return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
+
 
 @triton.jit
 def _scale(x, rstd, weight_ptr, offs, DTYPE: tl.constexpr):
@@ -61,9 +63,10 @@ def _qk_norm_rope_store_kernel(
     k_cache_ptr, v_cache_ptr, slot_mapping_ptr, out_ptr,
     stride_qkv_t, stride_out_t, stride_cos_sin, stride_cache_slot, stride_cache_head, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
+    wait_for_prior_kernel(PDL)  # qkv is the previous kernel's output
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM)
@@ -141,13 +144,14 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     assert out.stride(2) == 1 and out.stride(1) == head_dim, "out heads must be packed"
     if num_tokens == 0:
         return out
+    pdl = pdl_enabled(qkv.device)
     _qk_norm_rope_store_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, positions, cos_sin_cache, q_weight, k_weight,
         k_cache, v_cache, slot_mapping, out,
         qkv.stride(0), out.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
-        num_warps=_num_warps(head_dim),
+        HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, PDL=pdl,
+        num_warps=_num_warps(head_dim), launch_pdl=pdl,
     )
     return out

@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single", action="store_true",
                         help="one request instead of the workload: prompt --max-input-len, "
                         "--max-output-len new tokens; reports decode tok/s")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --single: timed runs after the warm-up (median recorded)")
     parser.add_argument("--profile", action="store_true",
                         help="run the workload under torch.profiler and print device time "
                         "per kernel group and per kernel (slower; nothing is recorded)")
@@ -166,17 +168,23 @@ def _print_gaps(profiler, min_gap_us: float = 3.0) -> None:
 
 def _single(llm, args: argparse.Namespace) -> int:
     """Decode speed of one request: from its first token to its last, timed on the engine's
-    own steps after a full warm-up run of the same request (so no compile is timed)."""
+    own steps after a full warm-up run of the same request (so no compile is timed);
+    --repeats timed runs, the median recorded. Each run's host and device time per step
+    say which side set the pace."""
     import random
+    import statistics
 
     from engine_service import SamplingParams
+    from engine_service.engine import StepStats
 
     rng = random.Random(args.workload_seed)
     prompt = [rng.randrange(min(10000, llm.engine.vocab_size)) for _ in range(args.max_input_len)]
     n = args.max_output_len
     params = SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=0)
     engine = llm.engine
-    for run in range(2):  # the first run warms up every kernel and graph this request uses
+    rates, ttfts = [], []
+    for run in range(1 + args.repeats):  # run 0 warms up every kernel and graph it uses
+        engine.total_stats = stats = StepStats(num_steps=0)
         engine.add_request(f"single-{run}", prompt, params)
         t0 = time.perf_counter()
         first = None
@@ -187,15 +195,25 @@ def _single(llm, args: argparse.Namespace) -> int:
                 if first is None and produced:
                     first = time.perf_counter()
         end = time.perf_counter()
-    assert produced == n, f"expected {n} tokens, got {produced}"
-    ttft, decode = first - t0, end - first
-    decode_tps = (n - 1) / max(decode, 1e-9)
-    print(f"single request: prompt {len(prompt)}, {n} new tokens, first token {ttft * 1e3:.1f} "
-          f"ms, then {decode * 1e3:.1f} ms for {n - 1} tokens: decode {decode_tps:.1f} tok/s "
-          f"({decode / (n - 1) * 1e3:.3f} ms/token)")
+        assert produced == n, f"expected {n} tokens, got {produced}"
+        if run == 0:
+            continue
+        ttft, decode = first - t0, end - first
+        rates.append((n - 1) / max(decode, 1e-9))
+        ttfts.append(ttft)
+        steps = max(stats.num_steps, 1)
+        print(f"single request: prompt {len(prompt)}, {n} new tokens, first token "
+              f"{ttft * 1e3:.1f} ms, then {decode * 1e3:.1f} ms for {n - 1} tokens: decode "
+              f"{rates[-1]:.1f} tok/s ({decode / (n - 1) * 1e3:.3f} ms/token); per step: host "
+              f"busy {(stats.seconds - stats.wait_seconds) / steps * 1e3:.3f} ms, device "
+              f"{stats.device_seconds / steps * 1e3:.3f} ms ({stats.num_steps} steps)")
+    decode_tps = statistics.median(rates)
+    if args.repeats > 1:
+        print(f"median of {args.repeats} runs: decode {decode_tps:.1f} tok/s")
     if not args.no_record:
         record("single-request decode", {
             "prompt tokens": str(len(prompt)), "new tokens": str(n),
-            "first token": f"{ttft * 1e3:.1f} ms",
-            "decode": f"{decode_tps:.1f} tok/s (first to last token, after a warm-up run)"})
+            "first token": f"{statistics.median(ttfts) * 1e3:.1f} ms",
+            "decode": f"{decode_tps:.1f} tok/s (first to last token, after a warm-up run"
+                      + (f"; median of {args.repeats} runs)" if args.repeats > 1 else ")")})
     return 0

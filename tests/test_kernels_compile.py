@@ -191,7 +191,7 @@ def _attention_cases() -> list[Any]:
     heads, kv_heads, head_dim, dtype = 16, 8, 128, torch.bfloat16
     _, prefill_q = pa._block_qs(pa._group_pad(heads // kv_heads))
     for v in pa.launch_variants(heads // kv_heads, dtype):
-        if not v.prefetch_kv:  # the prefill tiles
+        if v.block_q == prefill_q:
             case = _attention_case(heads, kv_heads, head_dim, dtype, v, block_size=1)
             cases.append(pytest.param(
                 case, id=f"paged_attention-qwen3-0.6b-block1-q{v.block_q}-s{v.num_splits}"))

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels.pdl import pdl_enabled, prefetch_l2, wait_for_prior_kernel
+from models.kernels.pdl import PREFETCH_PROGRAMS, pdl_enabled, prefetch_l2, wait_for_prior_kernel
 
 MAX_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -269,10 +269,10 @@ def _mma_tile(x_ptr, w_ptr, M, K, stride_xm, rows, k_start, k_end,
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "prefetch_pids"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, stride_xm, stride_om, k_chunk,
+    M, N, K, stride_xm, stride_om, k_chunk, prefetch_pids,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_MMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr,
@@ -287,8 +287,9 @@ def _gemv_kernel(
         # The program's weight rows are one contiguous slice, and no kernel writes weights:
         # L2 fetches them while the previous kernel finishes.
         row0 = tl.program_id(0) * BLOCK_N
+        nbytes = tl.minimum(N - row0, BLOCK_N) * K * (16 // VEC)
         prefetch_l2(w_ptr + row0.to(tl.int64) * K,
-                    tl.minimum(N - row0, BLOCK_N) * K * (16 // VEC))
+                    tl.where(tl.program_id(0) < prefetch_pids, nbytes, 0))
     wait_for_prior_kernel(PDL)
     if USE_MMA:
         acc = _mma_tile(x_ptr, w_ptr, M, K, stride_xm, rows, k_start, k_end,
@@ -385,7 +386,7 @@ def gemv(
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out,
         workspace if split else out,
-        num_rows, n, k, x.stride(0), out.stride(0), k_chunk,
+        num_rows, n, k, x.stride(0), out.stride(0), k_chunk, PREFETCH_PROGRAMS,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, VEC=16 // x.element_size(),
         USE_MMA=cfg.kind == "mma",
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels.pdl import _bulk_prefetch, pdl_enabled, wait_for_prior_kernel
+from models.kernels.pdl import bulk_prefetch, pdl_enabled, wait_for_prior_kernel
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -215,7 +215,7 @@ def _prefetch_first_keys(bt_row, k_base, v_base, kv_lo, kv_end, block_size,
     slot = block * block_size + n % block_size
     rows = tl.where(i < THREADS // 2, k_base + slot * stride_k_slot,
                     v_base + slot * stride_v_slot)
-    _bulk_prefetch(rows.to(tl.pointer_type(tl.int8)), tl.where(ok, ROW_BYTES, 0))
+    bulk_prefetch(rows.to(tl.pointer_type(tl.int8)), tl.where(ok, ROW_BYTES, 0))
 
 
 @triton.jit
@@ -272,9 +272,10 @@ class AttentionLaunch:
     # Keys per partition at least (a runtime argument, not a compile key): rows shorter
     # than num_splits * min_split_len take fewer partitions.
     min_split_len: int = 0
-    # Decode launches: with PDL, read the metadata and prefetch the first keys' K/V rows into
-    # L2 before waiting for the previous kernel. Only where no kernel right before the launch
-    # writes its metadata (decode metadata is copied in by the host before the forward).
+    # Small decode launches: with PDL, read the metadata and prefetch the first keys' K/V
+    # rows into L2 before waiting for the previous kernel. Only where no kernel right before
+    # the launch writes its metadata (decode metadata is copied in by the host before the
+    # forward).
     prefetch_kv: bool = False
 
     def __post_init__(self) -> None:
@@ -320,7 +321,11 @@ def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_pe
         num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, programs)))
     elif decode_only and programs <= DECODE_SPLIT_PROGRAMS_PER_SM * num_sms:
         num_splits, min_split_len = 2, DECODE_SPLIT_LEN
-    return _tiles(block_q, num_splits, group_pad, dtype, min_split_len, prefetch_kv=decode_only)
+    # The K/V prefetch pays where a launch is a few dependent loads per program: decode
+    # step device time at batch 1 went 755 -> 731 us with it, at batch 8 (16 splits)
+    # 1382 -> 1425 us (Qwen3-0.6B, `benchmarks.decode_graph`, H200).
+    prefetch_kv = decode_only and num_splits == MAX_SPLITS
+    return _tiles(block_q, num_splits, group_pad, dtype, min_split_len, prefetch_kv)
 
 
 def _block_qs(group_pad: int) -> tuple[int, int]:
@@ -348,9 +353,11 @@ def launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaun
     group_pad = _group_pad(num_q_per_kv)
     splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
     decode_q, prefill_q = _block_qs(group_pad)
-    decode = [_tiles(decode_q, s, group_pad, dtype, prefetch_kv=True) for s in splits]
-    decode.append(_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN, prefetch_kv=True))
-    return decode + [_tiles(prefill_q, s, group_pad, dtype) for s in splits]
+    decode = [_tiles(decode_q, s, group_pad, dtype, prefetch_kv=s == MAX_SPLITS)
+              for s in splits]
+    decode.append(_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN))
+    prefill = [_tiles(prefill_q, s, group_pad, dtype) for s in splits]
+    return list(dict.fromkeys(decode + prefill))  # decode and prefill tiles may coincide
 
 
 def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,

@@ -29,6 +29,12 @@ import triton.language as tl
 
 # Bytes per bulk prefetch request: one thread's share of a program's weight slice.
 PREFETCH_CHUNK = tl.constexpr(1024)
+# GEMV programs that prefetch their weight slice: those that can start while the previous
+# kernel still runs, about two per SM. Later ones start as earlier ones retire, with the
+# launch already streaming, and prefetching there only added work: decode step device time
+# (`benchmarks.decode_graph`, batch 1, H200) went 725 -> 715 us on Qwen3-0.6B with this
+# limit, but 4332 -> 4851 us on Qwen3-8B with every program prefetching.
+PREFETCH_PROGRAMS = 264
 
 
 @functools.cache
@@ -56,7 +62,7 @@ def wait_for_prior_kernel(PDL: tl.constexpr):
 
 
 @triton.jit
-def _bulk_prefetch(addrs, sizes):
+def bulk_prefetch(addrs, sizes):
     """cp.async.bulk.prefetch of `sizes` bytes at `addrs` into L2, per element; sizes <= 0
     issue nothing. Fire and forget: no barrier, no register holds the data."""
     return tl.inline_asm_elementwise(
@@ -76,4 +82,4 @@ def prefetch_l2(ptr, num_bytes):
     starts = tl.arange(0, THREADS) * PREFETCH_CHUNK
     for c0 in range(0, num_bytes, THREADS * PREFETCH_CHUNK):
         offs = c0 + starts
-        _bulk_prefetch(base + offs, tl.minimum(num_bytes - offs, PREFETCH_CHUNK))
+        bulk_prefetch(base + offs, tl.minimum(num_bytes - offs, PREFETCH_CHUNK))

@@ -58,8 +58,7 @@ def main() -> None:
     assert graphs is not None, "CUDA graphs are off (--enforce-eager?)"
     block_size = runner.block_size
     blocks_per_seq = -(-args.context // block_size)
-    knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
-                     if k.startswith("NANOSERVE_P"))
+    pdl = os.environ.get("NANOSERVE_PDL", "1")
     for batch in batches:
         assert batch * blocks_per_seq <= runner.num_kv_blocks, "context too long for the cache"
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
@@ -72,7 +71,7 @@ def main() -> None:
         graphs.run(input_ids, positions, meta)  # fills the static inputs, replays once
         graph = graphs.graphs[next(b for b in graphs.batch_sizes if b >= batch)]
         single, streamed = _time_replays(graph, args.replays)
-        print(f"decode graph: batch {batch}, context {args.context}, {knobs or 'defaults'}: "
+        print(f"decode graph: batch {batch}, context {args.context}, NANOSERVE_PDL={pdl}: "
               f"{single:.1f} us a replay (median of 20), {streamed:.1f} us a replay over "
               f"{args.replays} back to back")
     llm.engine.shutdown()

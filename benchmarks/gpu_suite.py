@@ -8,7 +8,8 @@ workload as concurrent streams against one engine process), hbm (copy bandwidth 
 decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs allow; with
 --tp-throughput also the workload), profile_tp (Qwen3-8B batch-1 profiles at TP=1/2/4),
 offline_profile (the workload under torch.profiler, device time by kernel group),
-kernels (attention split-count and GEMV config sweeps).
+kernels (attention split-count and GEMV config sweeps), decode_graph (device time of the
+captured decode graph with programmatic dependent launch off and on).
 Logs go to $OUT (or ./.out); figures are appended to RESULTS.md (NANOSERVE_RESULTS to
 redirect); a table is printed last.
 """
@@ -138,11 +139,18 @@ def stage_allreduce(args) -> None:
                  ""))
 
 
+def _decode_rate(text: str) -> re.Match | None:
+    """The median line of a --repeats run, else the one run's."""
+    return (re.search(r"median of \d+ runs: decode ([\d.]+) tok/s", text)
+            or re.search(r"decode ([\d.]+) tok/s", text))
+
+
 def stage_single(args) -> None:
+    # Host-bound at ~0.9 ms a step, so runs spread by several percent: the median of three.
     text = sh("single", nanoserve("bench", "offline", "--model", args.model, "--single",
                                   "--max-input-len", "512", "--max-output-len", "512",
-                                  *args.engine_args), timeout=300)
-    m = re.search(r"decode ([\d.]+) tok/s", text)
+                                  "--repeats", "3", *args.engine_args), timeout=300)
+    m = _decode_rate(text)
     ROWS.append(("single request decode (512+512)", f"{m.group(1)} tok/s" if m else "FAILED",
                  ">= 1,000 (nano-vllm ~475)"))
 
@@ -193,8 +201,9 @@ def stage_tp(args) -> None:
         extra = ["--tensor-parallel-size", str(tp), "--max-model-len", "4096"]
         text = sh(f"tp{tp}_single", nanoserve("bench", "offline", "--model", "qwen3-8b",
                                              "--single", "--max-input-len", "512",
-                                             "--max-output-len", "512", *extra), timeout=420)
-        m = re.search(r"decode ([\d.]+) tok/s", text)
+                                             "--max-output-len", "512", "--repeats", "2",
+                                             *extra), timeout=420)
+        m = _decode_rate(text)
         ROWS.append((f"Qwen3-8B TP={tp} single decode", f"{m.group(1)} tok/s" if m else "FAILED",
                      ""))
         if args.tp_throughput:
@@ -205,11 +214,26 @@ def stage_tp(args) -> None:
                          f"{m.group(1)} tok/s" if m else "FAILED", ""))
 
 
+def stage_decode_graph(args) -> None:
+    """Device time of the captured decode graph with programmatic dependent launch off and
+    on (one process per setting: graphs are captured at start-up)."""
+    for model, batches in ((args.model, "1,8"), ("qwen3-8b", "1")):
+        for pdl in ("0", "1"):
+            text = sh(f"decode_graph_{model}_pdl{pdl}",
+                      [sys.executable, "-m", "benchmarks.decode_graph", "--model", model,
+                       "--batch", batches], timeout=240, env={"NANOSERVE_PDL": pdl})
+            for m in re.finditer(r"batch (\d+), context \d+, .*?: [\d.]+ us a replay .*?, "
+                                 r"([\d.]+) us a replay over", text):
+                ROWS.append((f"decode graph {model} batch {m.group(1)}, PDL={pdl}",
+                             f"{m.group(2)} us", "layers + final norm, context 768"))
+
+
 STAGES = {"tests": stage_tests, "offline": stage_offline, "offline_sync": stage_offline_sync,
           "offline_profile": stage_offline_profile,
           "single": stage_single, "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp,
           "profile": stage_profile, "profile_tp": stage_profile_tp,
-          "allreduce": stage_allreduce, "kernels": stage_kernels}
+          "allreduce": stage_allreduce, "kernels": stage_kernels,
+          "decode_graph": stage_decode_graph}
 
 
 def main() -> int:

@@ -420,9 +420,16 @@ def test_compiles_for_sm90(case: Case) -> None:
     name = case.kernel.__name__
     assert compiled.asm.get("cubin"), f"{name}: ptxas produced no cubin"
     assert ".target sm_90" in compiled.asm["ptx"], f"{name}: PTX not built for sm_90"
-    # With PDL on, the kernel must wait for the previous one (or it races with it).
+    # With PDL on, the kernel must wait for the previous one (or it races with it), and the
+    # kernels that prefetch before that wait must issue the prefetch.
     pdl = bool(case.constexprs.get("PDL"))
     assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl, f"{name}: PDL={pdl}"
+    prefetches = pdl and (
+        case.kernel is fused_gemv._fused_gemv_kernel
+        or (case.kernel is gemv._gemv_kernel and not case.constexprs["SPLIT_K"])
+        or (case.kernel is pa._paged_attention_kernel and case.constexprs["PREFETCH_KV"]))
+    assert ("cp.async.bulk.prefetch.L2" in compiled.asm["ptx"]) == prefetches, (
+        f"{name}: expected L2 prefetch {prefetches}")
     assert compiled.metadata.shared <= SM90_MAX_SHARED_BYTES, (
         f"{name} needs {compiled.metadata.shared} bytes of shared memory, "
         f"sm_90 has {SM90_MAX_SHARED_BYTES} per block")

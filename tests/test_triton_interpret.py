@@ -39,7 +39,7 @@ def test_launch_variants_cover_every_choice() -> None:
     that list would compile in the middle of serving. Sweep batch shapes of every kind."""
     import torch
 
-    from models.kernels.paged_attention import choose_launch, launch_variants
+    from models.kernels.paged_attention import MAX_SPLITS, choose_launch, launch_variants
 
     for num_q_per_kv, num_kv_heads in ((1, 8), (2, 8), (4, 8), (8, 2), (16, 1)):
         for dtype in (torch.bfloat16, torch.float32):
@@ -58,6 +58,25 @@ def test_launch_variants_cover_every_choice() -> None:
                             assert launch in variants, (launch, num_seqs, query_len)
                             seen.add(launch)
             assert len(seen) > 2  # the sweep reached split and unsplit, decode and prefill
+            # The K/V prefetch before the PDL wait is for decode launches alone: a prefill's
+            # metadata may come from the kernel right before (forward_no_cache).
+            assert any(v.prefetch_kv for v in seen)
+            assert all(v.num_splits == MAX_SPLITS for v in seen if v.prefetch_kv)
+
+
+def test_pdl_switches_off_without_hopper_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels launch with PDL only on a CUDA device, outside the interpreter and unless
+    NANOSERVE_PDL=0 (each checked before any CUDA call, so this runs on CPU)."""
+    import torch
+
+    from models.kernels.pdl import pdl_enabled
+
+    assert not pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("NANOSERVE_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("NANOSERVE_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl_enabled(torch.device("cuda", 0))
 
 
 # --------------------------------------------------------------------------- subprocess side

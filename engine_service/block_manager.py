@@ -50,6 +50,11 @@ class BlockManager:
         # here until reused, so the order is least recently freed first.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._events: list[KvEvent] = []
+        # Admitting a sequence asks for its prefix hits three times (cached tokens, then
+        # can_allocate, then allocate) with nothing changed in between: the last answer is
+        # kept, keyed by (hash table version, seq id, token count).
+        self._table_version = 0  # bumped whenever hash_to_block changes
+        self._last_hits: tuple[tuple[int, object, int], list[int]] | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -124,6 +129,7 @@ class BlockManager:
             block.block_hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             self.hash_to_block[block_hash] = block.block_id
+            self._table_version += 1
             stored.append(block_hash)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
         if stored:
@@ -179,6 +185,11 @@ class BlockManager:
         return hashes[i]
 
     def _cache_hits(self, seq: Sequence) -> list[int]:
+        """Blocks of seq's leading full blocks the cache holds (never its last token's);
+        the caller must not modify the list (it may be the memo's)."""
+        key = (self._table_version, seq.seq_id, seq.num_tokens)
+        if self._last_hits is not None and self._last_hits[0] == key:
+            return self._last_hits[1]
         bs = self.block_size
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // bs):
@@ -187,6 +198,7 @@ class BlockManager:
                     self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
+        self._last_hits = (key, hits)
         return hits
 
     def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], int, int]:
@@ -214,6 +226,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self.hash_to_block[block.block_hash]
+            self._table_version += 1
             self._record("removed", [block.block_hash])
             block.block_hash = None
             block.token_ids = ()

@@ -251,6 +251,42 @@ def test_hit_on_free_cached_block_revives_it_without_eviction(new_bm) -> None:
     bm.free(b)
 
 
+class _CountingTable(dict):
+    gets = 0
+
+    def get(self, key, default=None):
+        type(self).gets += 1
+        return super().get(key, default)
+
+
+def test_admission_looks_up_the_prefix_once_until_the_cache_changes(new_bm) -> None:
+    """The scheduler asks get_num_cached_tokens, can_allocate and allocate in a row; one
+    walk of the hash table serves all three, and a cache change made without any lookup
+    (a running sequence's growth evicting blocks, its full blocks being stored) is seen."""
+    bm = new_bm(6, 2)
+    a = make_seq([1, 2, 3, 4, 5])
+    compute(bm, a)
+    bm.free(a)  # [1, 2] and [3, 4] stay cached in free blocks
+    c = make_seq([7] * 11)
+    compute(bm, c, 1)  # running, one block
+    bm.hash_to_block = table = _CountingTable(bm.hash_to_block)
+    b = make_seq([1, 2, 3, 4, 9])
+    assert bm.get_num_cached_tokens(b) == 4
+    walks = table.gets
+    assert bm.can_allocate(b, 1)
+    assert bm.get_num_cached_tokens(b) == 4 and table.gets == walks
+    bm.allocate(c, 10)  # a running sequence grows: takes every free block, both cached ones
+    assert bm.get_num_cached_tokens(b) == 0, "the evictions were not seen"
+    bm.free(c)
+    e = make_seq([1, 2, 3, 4, 6])
+    bm.allocate(e, 5)
+    assert bm.get_num_cached_tokens(b) == 0
+    e.num_computed_tokens += 5
+    bm.cache_full_blocks(e)  # stores [1, 2] and [3, 4] again
+    assert bm.get_num_cached_tokens(b) == 4, "the stored blocks were not seen"
+    bm.free(e)
+
+
 def test_decode_grows_block_table_at_boundaries(new_bm) -> None:
     bm = new_bm(8, 4)
     s = make_seq([1, 2, 3])

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.gemv import check_fma_tile, default_config
-from models.kernels.pdl import PREFETCH_PROGRAMS, pdl_enabled, prefetch_l2, wait_for_prior_kernel
+from models.kernels.pdl import pdl_for_weight, prefetch_weight_rows, wait_for_prior_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Largest K served: every program re-reads x (and the residual) over K from L2 for the norm's
@@ -151,10 +151,10 @@ def _partials(w, h):
     return tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=2)
 
 
-@triton.jit(do_not_specialize=["prefetch_pids"])
+@triton.jit
 def _fused_gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, r_out_ptr,
-    n_out, K, eps, prefetch_pids,
+    n_out, K, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     PDL: tl.constexpr,
@@ -178,11 +178,10 @@ def _fused_gemv_kernel(
         # Weights are never written by a kernel: L2 fetches this program's rows (one
         # contiguous slice, and its up half's) while the previous kernel finishes.
         row0 = pid * BLOCK_N
-        slice_bytes = tl.where(pid < prefetch_pids,
-                               tl.minimum(n_out - row0, BLOCK_N) * K * (16 // VEC), 0)
-        prefetch_l2(w_ptr + row0.to(tl.int64) * K, slice_bytes)
+        num_rows = tl.minimum(n_out - row0, BLOCK_N)
+        prefetch_weight_rows(w_ptr, row0, num_rows, K)
         if SILU_MUL:
-            prefetch_l2(w_ptr + (row0 + n_out).to(tl.int64) * K, slice_bytes)
+            prefetch_weight_rows(w_ptr, row0 + n_out, num_rows, K)
     # Tile 0's weights first: their HBM latency overlaps the statistics pass below (and,
     # with PDL, the previous kernel's end).
     w_gate = _load(gate_ptrs, 0, in_k, EVEN_K)
@@ -304,12 +303,12 @@ def fused_gemv(
         f"got {tuple(out.shape)} {out.dtype}")
 
     cfg = config or choose_fused_config(n, k, x.dtype, silu_mul)
-    pdl = pdl_enabled(x.device) and weight.data_ptr() % 16 == 0
+    pdl = pdl_for_weight(x, weight)
     _fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, weight, out,
         residual_out if residual_out is not None else out,
-        n_out, k, eps, PREFETCH_PROGRAMS,
+        n_out, k, eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=16 // x.element_size(),
         EVEN_K=k % cfg.block_k == 0, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, PDL=pdl,

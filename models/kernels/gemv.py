@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels.pdl import PREFETCH_PROGRAMS, pdl_enabled, prefetch_l2, wait_for_prior_kernel
+from models.kernels.pdl import pdl_for_weight, prefetch_weight_rows, wait_for_prior_kernel
 
 MAX_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -269,10 +269,10 @@ def _mma_tile(x_ptr, w_ptr, M, K, stride_xm, rows, k_start, k_end,
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "prefetch_pids"])
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, stride_xm, stride_om, k_chunk, prefetch_pids,
+    M, N, K, stride_xm, stride_om, k_chunk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_MMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr,
@@ -287,9 +287,7 @@ def _gemv_kernel(
         # The program's weight rows are one contiguous slice, and no kernel writes weights:
         # L2 fetches them while the previous kernel finishes.
         row0 = tl.program_id(0) * BLOCK_N
-        nbytes = tl.minimum(N - row0, BLOCK_N) * K * (16 // VEC)
-        prefetch_l2(w_ptr + row0.to(tl.int64) * K,
-                    tl.where(tl.program_id(0) < prefetch_pids, nbytes, 0))
+        prefetch_weight_rows(w_ptr, row0, tl.minimum(N - row0, BLOCK_N), K)
     wait_for_prior_kernel(PDL)
     if USE_MMA:
         acc = _mma_tile(x_ptr, w_ptr, M, K, stride_xm, rows, k_start, k_end,
@@ -380,13 +378,11 @@ def gemv(
         assert workspace.dtype == torch.float32 and workspace.is_contiguous()
         assert workspace.numel() >= num_rows * n, "workspace smaller than M * N"
     grid = (triton.cdiv(n, cfg.block_n), splits)
-    # Bulk prefetches need 16-byte aligned rows (K % 16 == 0 makes every row so when the
-    # weight's start is).
-    pdl = pdl_enabled(x.device) and weight.data_ptr() % 16 == 0 and k % 16 == 0
+    pdl = pdl_for_weight(x, weight)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out,
         workspace if split else out,
-        num_rows, n, k, x.stride(0), out.stride(0), k_chunk, PREFETCH_PROGRAMS,
+        num_rows, n, k, x.stride(0), out.stride(0), k_chunk,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, VEC=16 // x.element_size(),
         USE_MMA=cfg.kind == "mma",
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

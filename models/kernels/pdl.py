@@ -34,7 +34,7 @@ PREFETCH_CHUNK = tl.constexpr(1024)
 # launch already streaming, and prefetching there only added work: decode step device time
 # (`benchmarks.decode_graph`, batch 1, H200) went 725 -> 715 us on Qwen3-0.6B with this
 # limit, but 4332 -> 4851 us on Qwen3-8B with every program prefetching.
-PREFETCH_PROGRAMS = 264
+PREFETCH_PROGRAMS = tl.constexpr(264)
 
 
 @functools.cache
@@ -50,6 +50,13 @@ def pdl_enabled(device: torch.device) -> bool:
         return False
     return _device_supports_pdl(device.index if device.index is not None
                                 else torch.cuda.current_device())
+
+
+def pdl_for_weight(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """pdl_enabled for a GEMV launch, which bulk-prefetches weight rows: those need 16-byte
+    aligned starts (else the launch goes without PDL)."""
+    row_bytes = weight.stride(0) * weight.element_size()
+    return pdl_enabled(x.device) and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
 
 
 @triton.jit
@@ -83,3 +90,12 @@ def prefetch_l2(ptr, num_bytes):
     for c0 in range(0, num_bytes, THREADS * PREFETCH_CHUNK):
         offs = c0 + starts
         bulk_prefetch(base + offs, tl.minimum(num_bytes - offs, PREFETCH_CHUNK))
+
+
+@triton.jit
+def prefetch_weight_rows(w_ptr, row0, num_rows, K):
+    """A GEMV program's weight rows [row0, row0 + num_rows) of K elements (one contiguous
+    slice) into L2, by the first PREFETCH_PROGRAMS programs of the launch only."""
+    row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    nbytes = tl.where(tl.program_id(0) < PREFETCH_PROGRAMS, num_rows * row_bytes, 0)
+    prefetch_l2(w_ptr + row0.to(tl.int64) * K, nbytes)

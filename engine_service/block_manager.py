@@ -52,9 +52,10 @@ class BlockManager:
         self._events: list[KvEvent] = []
         # Admitting a sequence asks for its prefix hits three times (cached tokens, then
         # can_allocate, then allocate) with nothing changed in between: the last answer is
-        # kept, keyed by (hash table version, seq id, token count).
+        # kept with what it depends on: the sequence object itself (an id could be reused
+        # by a new request with other tokens), its token count and the hash table version.
         self._table_version = 0  # bumped whenever hash_to_block changes
-        self._last_hits: tuple[tuple[int, object, int], list[int]] | None = None
+        self._last_hits: tuple[Sequence, int, int, list[int]] | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -187,9 +188,10 @@ class BlockManager:
     def _cache_hits(self, seq: Sequence) -> list[int]:
         """Blocks of seq's leading full blocks the cache holds (never its last token's);
         the caller must not modify the list (it may be the memo's)."""
-        key = (self._table_version, seq.seq_id, seq.num_tokens)
-        if self._last_hits is not None and self._last_hits[0] == key:
-            return self._last_hits[1]
+        last = self._last_hits
+        if last is not None and last[0] is seq and last[1:3] == (seq.num_tokens,
+                                                                   self._table_version):
+            return last[3]
         bs = self.block_size
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // bs):
@@ -198,7 +200,7 @@ class BlockManager:
                     self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
-        self._last_hits = (key, hits)
+        self._last_hits = (seq, seq.num_tokens, self._table_version, hits)
         return hits
 
     def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], int, int]:

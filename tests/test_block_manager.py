@@ -284,6 +284,9 @@ def test_admission_looks_up_the_prefix_once_until_the_cache_changes(new_bm) -> N
     e.num_computed_tokens += 5
     bm.cache_full_blocks(e)  # stores [1, 2] and [3, 4] again
     assert bm.get_num_cached_tokens(b) == 4, "the stored blocks were not seen"
+    # A new request reusing b's id and length, with other tokens, gets its own answer.
+    other = Sequence(b.seq_id, [5, 5, 5, 5, 9], SamplingParams())
+    assert bm.get_num_cached_tokens(other) == 0, "answered from another sequence's memo"
     bm.free(e)
 
 

@@ -8,12 +8,15 @@ import here: the parent process may already have triton loaded without the inter
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,6 +32,22 @@ def run_interpreted(script: str, *args: str) -> str:
 
 def assert_check_passed(output: str, check: str) -> None:
     assert f"OK {check}\n" in output, f"check {check!r} did not pass:\n{output}"
+
+
+def interpreted_check_test(script: str, checks: list[str]) -> Callable[[str], None]:
+    """The pytest side of a file whose checks all run in one interpreter subprocess of
+    `script` (started by the first test that needs it): a test parametrized over `checks`,
+    each asserting that its check passed. Bind it to a `test_...` name in the file."""
+
+    @functools.cache
+    def output() -> str:
+        return run_interpreted(script)
+
+    @pytest.mark.parametrize("check", checks)
+    def test(check: str) -> None:
+        assert_check_passed(output(), check)
+
+    return test
 
 
 def run_checks(checks: list[tuple[str, Callable[[], None]]]) -> None:

@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.interpret import (
-    assert_check_passed,
+    interpreted_check_test,
     round_bf16_like_the_gpu,
     run_checks,
-    run_interpreted,
 )
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -137,15 +136,7 @@ def check_call(inp: Inputs, combo: Combo, eps: float, config, what: str) -> None
         assert torch.equal(new_residual, inp.x + inp.residual), f"{what}: residual_out"
 
 
-@pytest.fixture(scope="module")
-def interpreter_run() -> str:
-    """One interpreter subprocess runs every check."""
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_fused_gemv_kernel_check_interpreted(interpreter_run: str, check: str) -> None:
-    assert_check_passed(interpreter_run, check)
+test_fused_gemv_kernel_check_interpreted = interpreted_check_test(__file__, CHECKS)
 
 
 # --------------------------------------------------------------------------- host-side rules

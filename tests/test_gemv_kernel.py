@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.interpret import assert_check_passed, run_checks, run_interpreted
+from tests.interpret import interpreted_check_test, run_checks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -40,15 +40,7 @@ def assert_matches(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     assert err <= RTOL[x.dtype] * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
 
 
-@pytest.fixture(scope="module")
-def interpreter_run() -> str:
-    """One interpreter subprocess runs every check."""
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_gemv_kernel_check_interpreted(interpreter_run: str, check: str) -> None:
-    assert_check_passed(interpreter_run, check)
+test_gemv_kernel_check_interpreted = interpreted_check_test(__file__, CHECKS)
 
 
 # --------------------------------------------------------------------------- host-side rules

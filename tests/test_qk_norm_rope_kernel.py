@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from tests.interpret import (
-    assert_check_passed,
+    interpreted_check_test,
     round_bf16_like_the_gpu,
     run_checks,
-    run_interpreted,
 )
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -175,15 +174,7 @@ CASES = {
 CHECKS = [*CASES, "skipped_slots", "out_buffer", "validation"]
 
 
-@pytest.fixture(scope="module")
-def interpreter_run() -> str:
-    """One interpreter subprocess runs every check."""
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_qk_norm_rope_kernel_check_interpreted(interpreter_run: str, check: str) -> None:
-    assert_check_passed(interpreter_run, check)
+test_qk_norm_rope_kernel_check_interpreted = interpreted_check_test(__file__, CHECKS)
 
 
 # --------------------------------------------------------------------------- subprocess side

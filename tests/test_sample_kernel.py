@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.interpret import assert_check_passed, run_checks, run_interpreted
+from tests.interpret import interpreted_check_test, run_checks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -55,15 +55,7 @@ def assert_tokens_match(got: torch.Tensor, ref: torch.Tensor, near: torch.Tensor
 CHECKS = ["reference", "launches", "edges", "distribution", "sampler", "near_ties"]
 
 
-@pytest.fixture(scope="module")
-def interpreter_run() -> str:
-    """One interpreter subprocess runs every check."""
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_sample_kernel_check_interpreted(interpreter_run: str, check: str) -> None:
-    assert_check_passed(interpreter_run, check)
+test_sample_kernel_check_interpreted = interpreted_check_test(__file__, CHECKS)
 
 
 # --------------------------------------------------------------------------- subprocess side

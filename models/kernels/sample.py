@@ -10,6 +10,20 @@ tiles, keeps a per-lane running (max, index) and writes the chunk's best to a fl
 partial buffer `[B, num_splits]`; `_combine_kernel` reduces each row's partials. Every
 reduction keeps the lowest index among equal values (torch.argmax semantics), and chunks are
 in vocab order, so the result does not depend on the block size or split count.
+
+The scan is ALU-bound, so its arithmetic is as cheap as the draws allow (on NVIDIA; the
+interpreter keeps numpy's log). The hash words and u are bit-identical to the torch path's;
+the floats may differ by a few ulps:
+- inner log, E = -log(u): precise (`__nv_logf`, <= 1 ulp, what torch's CUDA log calls). u
+  reaches 1 - 2**-24, where E is ~6e-8, and the winner of a flat row has E ~ 1/V; the fast
+  log's error there is absolute (2**-22 on (0.5, 2)), a large fraction of E.
+- outer log, log(E): `lg2.approx.ftz` * ln 2 (one MUFU.LG2). PTX ISA bound: 2**-22 absolute
+  on (0.5, 2), 2**-22 relative elsewhere, so <= 2**-22 * max(ln 2, |log E|) <= 4e-6 since
+  E is in [6e-8, 16.7] (never subnormal for the .ftz).
+- x / T as x * (1 / T), the reciprocal rounded once per row: off by <= 2**-24 |x / T|.
+A kernel value y is thus within ~2**-21 (|x / T| + |log E| + 1) + 2**-22 |y| of torch's, and a
+draw can differ only where the top two are that close: inside the tests' near-tie tolerance
+(1e-5 |top|) whenever |top| > ~4, as for real logits at T <= 2 or any flat row (|top| ~ log V).
 """
 
 from __future__ import annotations
@@ -61,6 +75,9 @@ def _race_partial_kernel(
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
+    # 1/T rounded once per row: a multiply an element instead of div_rn's ~10 instructions
+    # (greedy rows never use it; the where keeps 1/0 out of the interpreter).
+    inv_temp = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(temp > 0, temp, 1.0))
     seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
     step = tl.load(steps_ptr + row).to(tl.uint64, bitcast=True)
     # The row's splitmix64 state; the vocab index (plus one) is its counter.
@@ -72,19 +89,26 @@ def _race_partial_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, vocab_size)
     row_ptr = logits_ptr + row * stride_row
+    # key + (v + 1) * GAMMA for each lane's vocab index v, advanced a tile at a time: one
+    # 64-bit add a tile instead of a 64-bit multiply (the same words, mod 2**64).
+    counter = key + (start + 1 + lanes).to(tl.uint64) * _GAMMA_U  # [BLOCK] uint64
+    tile_step = tl.full([], BLOCK, tl.uint64) * _GAMMA_U
     for tile in range(start, end, BLOCK):
         offs = tile + lanes  # [BLOCK] int32 vocab indices
         in_row = offs < end
         x = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32)
         if temp > 0:
-            bits = _mix64(key + (offs + 1).to(tl.uint64) * _GAMMA_U)
-            u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # (m + 0.5) / 2**23
-            # tl.log may lower to an approximate log2 on NVIDIA; __nv_logf is what torch's CUDA
-            # log calls. The interpreter has no libdevice (numpy's log is within an ulp too).
-            # log_e: the log of an Exp(1) variate.
-            log_e = libdevice.log(-libdevice.log(u)) if LIBDEVICE else tl.log(-tl.log(u))
-            # div_rn: '/' is div.full.f32 (2 ulp) on NVIDIA; torch divides exactly.
-            x = tl.math.div_rn(x, temp) - log_e
+            bits = _mix64(counter)
+            # u = (m + 0.5) / 2**23 for the top 23 bits m, as m * 2**-23 + 2**-24: the same
+            # float32 (every step is exact), in one FMA that also shows the compiler u is
+            # normal, so __nv_logf's subnormal / zero fix-ups fold away.
+            u = (bits >> 41).to(tl.float32) * (1.0 / 8388608.0) + (0.5 / 8388608.0)
+            # log_e: the log of an Exp(1) variate. Inner log precise, outer one MUFU.LG2 (see
+            # the top; tl.log is __nv_logf too). The interpreter has no libdevice: numpy's log.
+            log_e = (libdevice.fast_logf(-libdevice.log(u)) if LIBDEVICE
+                     else tl.log(-tl.log(u)))
+            x = x * inv_temp - log_e
+        counter += tile_step
         # Each lane sees increasing indices, so '>' keeps the first of equal values. Entries
         # past the row end load -inf and stay -inf; -inf and NaN never claim a lane.
         better = x > best_val

@@ -272,7 +272,10 @@ class ModelRunner:
 
     # (query lens, context lens) of the warm-up batches: short and long chunks, with and
     # without cached context, one and many rows, decode rows mixed with a prefill chunk.
-    _WARM_UP_BATCHES = (([5], [5]), ([12], [600]), ([200], [200]), ([300], [1100]),
+    # [64]: the smallest batch whose q/k-norm launch groups heads on Qwen3-0.6B's layout
+    # (qk_norm_rope.HEAD_BLOCK_MIN_PROGRAMS), for token or KV budgets too small for the
+    # larger batches.
+    _WARM_UP_BATCHES = (([5], [5]), ([12], [600]), ([64], [64]), ([200], [200]), ([300], [1100]),
                         ([100] * 64, [100] * 64), ([1] * 8 + [100], [700] * 8 + [100]))
 
     @torch.inference_mode()

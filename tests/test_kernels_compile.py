@@ -312,23 +312,28 @@ def _store_kv_cases() -> list[Any]:
 
 
 def _qk_norm_rope_cases() -> list[Any]:
+    """Every heads-per-program the launcher's rule picks for the layout (one head a program
+    below its program threshold, head blocks from it on)."""
     cases = []
     for label, heads, kv_heads, head_dim, dt in _HEAD_LAYOUTS:
-        case = Case(
-            kernel=qk_norm_rope._qk_norm_rope_store_kernel,
-            pointers={**_ptrs(dt, "qkv_ptr", "q_weight_ptr", "k_weight_ptr", "k_cache_ptr",
-                              "v_cache_ptr", "out_ptr"),
-                      **_ptrs("i64", "positions_ptr", "slot_mapping_ptr"),
-                      **_ptrs("fp32", "cos_sin_ptr")},
-            constexprs=dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                            ROTARY_DIM=head_dim, PDL=True),
-            num_warps=qk_norm_rope._num_warps(head_dim),
-            ints=dict(stride_qkv_t=(heads + 2 * kv_heads) * head_dim,
-                      stride_out_t=heads * head_dim, stride_cos_sin=head_dim,
-                      stride_cache_slot=kv_heads * head_dim, stride_cache_head=head_dim),
-            floats=("eps",),
-        )
-        cases.append(pytest.param(case, id=f"qk_norm_rope-{label}"))
+        choices = sorted({qk_norm_rope.choose_heads_per_program(num_tokens, heads, kv_heads)
+                          for num_tokens in (1, qk_norm_rope.HEAD_BLOCK_MIN_PROGRAMS)})
+        for per_program in choices:
+            case = Case(
+                kernel=qk_norm_rope._qk_norm_rope_store_kernel,
+                pointers={**_ptrs(dt, "qkv_ptr", "q_weight_ptr", "k_weight_ptr", "k_cache_ptr",
+                                  "v_cache_ptr", "out_ptr"),
+                          **_ptrs("i64", "positions_ptr", "slot_mapping_ptr"),
+                          **_ptrs("fp32", "cos_sin_ptr")},
+                constexprs=dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEADS=per_program,
+                                HEAD_DIM=head_dim, ROTARY_DIM=head_dim, PDL=True),
+                num_warps=qk_norm_rope._num_warps(head_dim, per_program),
+                ints=dict(stride_qkv_t=(heads + 2 * kv_heads) * head_dim,
+                          stride_out_t=heads * head_dim, stride_cos_sin=head_dim,
+                          stride_cache_slot=kv_heads * head_dim, stride_cache_head=head_dim),
+                floats=("eps",),
+            )
+            cases.append(pytest.param(case, id=f"qk_norm_rope-{label}-heads{per_program}"))
     return cases
 
 

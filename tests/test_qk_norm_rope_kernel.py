@@ -11,7 +11,8 @@ either side of them) start as NaN, so a missed, stray or skipped-slot write fail
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ class Case:
     rotary_dim: int | None = None  # None: head_dim
     strided: bool = False  # qkv is a column slice of a wider tensor (row stride > width)
     skip_every: int = 5  # every skip_every-th token (from the 2nd) gets slot -1; 0: none
+    heads_per_program: int | None = None  # None: the launcher's choice for num_tokens
 
 
 @dataclass
@@ -116,7 +118,7 @@ def run_kernel(case: Case, x: Inputs, out: torch.Tensor | None = None) -> torch.
     return qk_norm_rope_store(x.qkv, x.positions, x.cos_sin_cache, x.q_weight, x.k_weight, EPS,
                               x.kv_cache[0], x.kv_cache[1], x.slot_mapping, case.num_heads,
                               case.num_kv_heads, case.head_dim, case.rotary_dim or case.head_dim,
-                              out=out)
+                              out=out, heads_per_program=case.heads_per_program)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
@@ -135,11 +137,13 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -
 
 def check_case(case: Case, gen: torch.Generator, device: str = "cpu") -> None:
     """Kernel vs reference on one case: q, the whole cache storage (guards included), and v
-    bit for bit (it is only copied)."""
+    bit for bit (it is only copied). q goes into a NaN buffer, so a head never written shows."""
     x = make_inputs(case, gen, device)
     ref = clone_inputs(x)
     want_q = reference(case, ref)
-    got_q = run_kernel(case, x)
+    out = torch.full((case.num_tokens, case.num_heads, case.head_dim), float("nan"),
+                     dtype=case.dtype, device=device)
+    got_q = run_kernel(case, x, out=out)
     assert got_q.shape == (case.num_tokens, case.num_heads, case.head_dim)
     tol = TOL[case.dtype]
     assert_close(got_q, want_q, tol, f"{case} q")
@@ -171,10 +175,38 @@ CASES = {
     "rotary_dim": [Case(F32, 3, 4, 4, 64, rotary_dim=32),
                    Case(BF16, 3, 8, 2, 128, block_size=1, rotary_dim=96, strided=True)],
 }
-CHECKS = [*CASES, "skipped_slots", "out_buffer", "validation"]
+CHECKS = [*CASES, "large_batch", "skipped_slots", "out_buffer", "validation"]
+
+
+def with_head_blocks(case: Case) -> list[Case]:
+    """The case as given, then with every multi-head block size its layout allows (powers of
+    two up to 8 dividing both head counts), so both kernel paths see the same layouts."""
+    common = math.gcd(case.num_heads, case.num_kv_heads)
+    return [case] + [replace(case, heads_per_program=h) for h in (2, 4, 8) if common % h == 0]
 
 
 test_qk_norm_rope_kernel_check_interpreted = interpreted_check_test(__file__, CHECKS)
+
+
+def test_heads_per_program_choice() -> None:
+    """One head a program for small grids; from HEAD_BLOCK_MIN_PROGRAMS one-head programs on
+    a power of two <= 8 that divides both head counts (a block must be all q or all kv
+    heads), as large as that allows."""
+    from models.kernels.qk_norm_rope import HEAD_BLOCK_MIN_PROGRAMS, choose_heads_per_program
+
+    layouts = [(16, 8), (32, 8), (16, 4), (8, 2), (4, 2), (6, 3), (12, 4), (64, 64), (40, 8)]
+    for num_heads, num_kv_heads in layouts:
+        first = -(-HEAD_BLOCK_MIN_PROGRAMS // (num_heads + num_kv_heads))  # smallest grouped T
+        for num_tokens in (1, 2, 8, first - 1):
+            assert choose_heads_per_program(num_tokens, num_heads, num_kv_heads) == 1
+        divisors = [h for h in (1, 2, 4, 8)
+                    if num_heads % h == 0 and num_kv_heads % h == 0]
+        for num_tokens in (first, first + 1, 8192):
+            chosen = choose_heads_per_program(num_tokens, num_heads, num_kv_heads)
+            assert chosen == max(divisors), (num_tokens, num_heads, num_kv_heads)
+    # The serving layouts: Qwen3-0.6B groups from 64 tokens, Qwen3-8B at TP=4 from 154.
+    assert choose_heads_per_program(63, 16, 8) == 1 and choose_heads_per_program(64, 16, 8) == 8
+    assert choose_heads_per_program(153, 8, 2) == 1 and choose_heads_per_program(154, 8, 2) == 2
 
 
 # --------------------------------------------------------------------------- subprocess side
@@ -187,34 +219,46 @@ def _main() -> None:
     def cases_check(name: str):
         def check() -> None:
             for case in CASES[name]:
-                check_case(case, gen)
+                for variant in with_head_blocks(case):
+                    check_case(variant, gen)
         return check
+
+    def check_large_batch() -> None:
+        # The first: past the threshold, so the launcher's own choice groups heads (4 here:
+        # gcd(8, 4)); the second groups only in its explicit variants.
+        for case in (Case(BF16, 128, 8, 4, 64, skip_every=3),
+                     Case(F32, 64, 6, 2, 32, block_size=1, rotary_dim=16, strided=True)):
+            for variant in with_head_blocks(case):
+                check_case(variant, gen)
 
     def check_skipped_slots() -> None:
         # Every slot -1 (padding rows of a CUDA-graph batch): q is still computed, nothing at
         # all is written into the caches or their guards.
-        for case in (Case(BF16, 1, 4, 4, 64), Case(F32, 3, 6, 3, 64, block_size=1)):
-            x = make_inputs(case, gen)
-            x.slot_mapping.fill_(-1)
-            ref = clone_inputs(x)
-            want_q = reference(case, ref)
-            assert_close(run_kernel(case, x), want_q, TOL[case.dtype], f"{case} q")
-            assert x.storage.isnan().all(), f"{case}: a skipped token was stored"
+        for case in (Case(BF16, 1, 4, 4, 64), Case(F32, 3, 6, 3, 64, block_size=1),
+                     Case(F32, 3, 8, 2, 64)):
+            for variant in with_head_blocks(case):
+                x = make_inputs(variant, gen)
+                x.slot_mapping.fill_(-1)
+                ref = clone_inputs(x)
+                want_q = reference(variant, ref)
+                assert_close(run_kernel(variant, x), want_q, TOL[case.dtype], f"{variant} q")
+                assert x.storage.isnan().all(), f"{variant}: a skipped token was stored"
 
     def check_out_buffer() -> None:
         # A given `out` is written in place and returned; T = 0 is a no-op.
-        case = Case(BF16, 3, 8, 2, 64)
-        x = make_inputs(case, gen)
-        ref = clone_inputs(x)
-        want_q = reference(case, ref)
-        out = torch.full((3, 8, 64), float("nan"), dtype=BF16)
-        got = run_kernel(case, x, out=out)
-        assert got is out
-        assert_close(out, want_q, TOL[BF16], "out")
-        assert_close(x.storage, ref.storage, TOL[BF16], "out cache")
-        empty = make_inputs(Case(BF16, 0, 8, 2, 64), gen)
-        got = run_kernel(Case(BF16, 0, 8, 2, 64), empty)
-        assert got.shape == (0, 8, 64) and empty.storage.isnan().all()
+        for case in with_head_blocks(Case(BF16, 3, 8, 2, 64)):
+            x = make_inputs(case, gen)
+            ref = clone_inputs(x)
+            want_q = reference(case, ref)
+            out = torch.full((3, 8, 64), float("nan"), dtype=BF16)
+            got = run_kernel(case, x, out=out)
+            assert got is out
+            assert_close(out, want_q, TOL[BF16], f"{case} out")
+            assert_close(x.storage, ref.storage, TOL[BF16], f"{case} out cache")
+            empty_case = replace(case, num_tokens=0)
+            empty = make_inputs(empty_case, gen)
+            got = run_kernel(empty_case, empty)
+            assert got.shape == (0, 8, 64) and empty.storage.isnan().all()
 
     def check_validation() -> None:
         case = Case(F32, 2, 4, 2, 64)
@@ -223,6 +267,9 @@ def _main() -> None:
             dict(head_dim=48),  # not a power of two
             dict(num_heads=5),  # qkv width does not match
             dict(rotary_dim=33),  # odd
+            dict(heads_per_program=3),  # not a power of two
+            dict(heads_per_program=4),  # does not divide Hkv = 2 (a block would mix kinds)
+            dict(heads_per_program=0),
         ]
         for override in bad:
             bad_case = Case(**{**case.__dict__, **override})
@@ -234,8 +281,8 @@ def _main() -> None:
         assert x.storage.isnan().all()
 
     checks = {name: cases_check(name) for name in CASES}
-    checks.update(skipped_slots=check_skipped_slots, out_buffer=check_out_buffer,
-                  validation=check_validation)
+    checks.update(large_batch=check_large_batch, skipped_slots=check_skipped_slots,
+                  out_buffer=check_out_buffer, validation=check_validation)
     run_checks([(name, checks[name]) for name in CHECKS])
 
 

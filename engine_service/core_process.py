@@ -12,7 +12,6 @@ multiprocessing pipes (one reader and one writer on each end, so no locking):
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -101,10 +100,6 @@ def run_core(config: EngineConfig, requests: Connection, outputs: Connection) ->
     except Exception:
         outputs.send(CoreFailed(traceback.format_exc()))
         return
-    # Start-up leaves ~10^5 long-lived objects (model, graphs, compiled kernels): out of the
-    # collector's sight, a full collection no longer stalls a serving step for ~0.1 s.
-    gc.collect()
-    gc.freeze()
     outputs.send(CoreReady(engine.model_info(), engine.cached_block_hashes(), _load(engine)))
     try:
         _loop(engine, requests, outputs)

@@ -5,6 +5,7 @@ belong to the caller: `LLM` here, the gRPC frontend in the service)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
@@ -85,6 +86,11 @@ class LLMEngine:
         self.total_stats = StepStats(num_steps=0)  # since start; benchmarks reset it
         self._async = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # Start-up leaves ~10^5 long-lived objects (model, graphs, compiled kernels): out of
+        # the collector's sight, a full collection no longer stalls a step for ~0.1 s, in
+        # the serving core and in offline LLM runs alike.
+        gc.collect()
+        gc.freeze()
 
     # ---------------------------------------------------------------- requests
 

@@ -238,3 +238,17 @@ def test_warm_up_scratch_writes_do_not_leak_into_outputs(tiny_model_dir, referen
     llm.engine.model_runner._warm_up()
     assert llm.engine.model_runner.kv_cache[:, :, :8].abs().sum() > 0, "warm-up wrote nothing"
     check_against_hf(llm, make_prompts(6, vocab, seed=31), reference)
+
+
+def test_start_up_objects_are_frozen_out_of_the_collector(tiny_model_dir):
+    """After start-up the engine's long-lived objects sit in the permanent generation, so
+    a full collection in the middle of generation does not walk them."""
+    import gc
+
+    gc.unfreeze()  # whatever an earlier engine in this process froze
+    assert gc.get_freeze_count() == 0
+    llm = make_llm(tiny_model_dir)
+    try:
+        assert gc.get_freeze_count() > 1000
+    finally:
+        llm.engine.shutdown()

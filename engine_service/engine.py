@@ -94,12 +94,9 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def validate_prompt(self, prompt_token_ids: SequenceT[int]) -> None:
-        validate_prompt(prompt_token_ids, self.config.max_model_len, self.vocab_size)
-
     def add_request(self, request_id: str, prompt_token_ids: SequenceT[int],
                     sampling_params: SamplingParams) -> Sequence:
-        self.validate_prompt(prompt_token_ids)
+        validate_prompt(prompt_token_ids, self.config.max_model_len, self.vocab_size)
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request_id must be unique among requests in flight, "
                              f"got duplicate {request_id!r}")

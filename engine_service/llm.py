@@ -57,21 +57,21 @@ class LLM:
                              "tokenizer")
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
                        for p in prompts]
-        for ids in token_lists:  # all checked before any is added: no state left behind
-            self.engine.validate_prompt(ids)
 
         outputs: dict[str, CompletionOutput] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
         order: list[str] = []
-        for ids, sp in zip(token_lists, sampling_params, strict=True):
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, ids, sp)
-            outputs[rid] = CompletionOutput(rid, ids)
-            if self.tokenizer is not None:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens,
-                                                     sp.stop)
-            order.append(rid)
         try:
+            # add_request validates each prompt (once); a bad one raises before any step
+            # runs, and the requests added before it are aborted below.
+            for ids, sp in zip(token_lists, sampling_params, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, ids, sp)
+                order.append(rid)
+                outputs[rid] = CompletionOutput(rid, ids)
+                if self.tokenizer is not None:
+                    detoks[rid] = IncrementalDetokenizer(self.tokenizer,
+                                                         sp.skip_special_tokens, sp.stop)
             self._run(outputs, detoks, use_tqdm)
         finally:
             for rid in order:  # on an error (or Ctrl-C) leave nothing behind in the engine

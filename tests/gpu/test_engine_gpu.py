@@ -28,8 +28,9 @@ def test_float32_greedy_matches_transformers(tiny_model_dir, hf_model, block_siz
     llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_block_size=block_size,
               num_kv_blocks=4096 // block_size + 64, max_model_len=512,
               attention_backend="triton", enforce_eager=enforce_eager)
-    prompts = _prompts(12, vocab, seed=block_size)
-    # the second pass hits the prefix cache wherever a prompt has a full block
+    # Up to block_size + 90 tokens, so every block size has prompts with a full block; the
+    # second pass hits the prefix cache wherever a prompt has one.
+    prompts = _prompts(12, vocab, seed=block_size, hi=block_size + 90)
     for second in (False, True):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                     ignore_eos=True), use_tqdm=False)

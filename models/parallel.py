@@ -14,7 +14,7 @@ its peers' buffer over NVLink and one kernel sums them, without NCCL's per-call 
 overhead (`python -m benchmarks.allreduce_bench` measures both). Anything it does not
 cover, or any failure to set it up, goes to NCCL. `tp_all_reduce_add_rms_norm` goes one
 step further for the decoder layer's epilogue: the sum, the residual add and the RMSNorm
-in one kernel with one barrier (models/kernels/all_reduce_norm.py). NVLink multicast
+in one kernel without any barrier (models/kernels/all_reduce_norm.py). NVLink multicast
 (NVLS) is never used: it can take a shared host's GPUs out of service.
 """
 
@@ -147,11 +147,10 @@ ONE_SHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 # The fused all-reduce + add + RMSNorm kernel (models/kernels/all_reduce_norm.py) covers
 # messages up to this size (decode batches: [32, 4096] or [128, 1024] bf16); larger ones go
 # through the all-reduce above and a separate norm. Its buffer per rank holds two halves of
-# every rank's rows, 2 * W * this many bytes, plus int32 flags for FUSED_NORM_ROWS rows.
+# every rank's rows, 2 * W * this many bytes (no flags: an EMPTY value marks free slots).
 FUSED_NORM_MAX_BYTES = 256 * 1024
 FUSED_NORM_ROWS = 1024
 FUSED_NORM_MAX_RANKS = 8
-_FUSED_FLAG_BYTES = FUSED_NORM_MAX_RANKS * FUSED_NORM_ROWS * 4  # int32 [ranks, rows]
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
 _SYMM_MEM_OPS = ("one_shot_all_reduce", "one_shot_all_reduce_copy_out", "two_shot_all_reduce_")
@@ -253,18 +252,17 @@ class SymmMemAllReduce:
         self._handle: Any = None
         # One view per dtype of the same storage: [max_bytes // itemsize] each.
         self._views = {dtype: self._buffer.view(dtype) for dtype in FAST_DTYPES}
-        # The fused all-reduce + add + RMSNorm: int32 flags, then the data halves. Its flag
-        # area holds up to 8 ranks, and the kernel indexes ranks with tl.arange (2^k only).
+        # The fused all-reduce + add + RMSNorm's data halves (its kernel unrolls over the
+        # ranks: up to 8, powers of two as TP groups are).
         self.fused_norm = (self.world_size <= FUSED_NORM_MAX_RANKS
                            and self.world_size & (self.world_size - 1) == 0)
         self._fused_data_bytes = 2 * self.world_size * FUSED_NORM_MAX_BYTES
         self._fused_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
-            (_FUSED_FLAG_BYTES + self._fused_data_bytes,), (1,), torch.uint8, self.device
+            (self._fused_data_bytes,), (1,), torch.uint8, self.device
         ) if self.fused_norm else None
         self._fused_handle: Any = None
         self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
         self._data_ptrs: torch.Tensor | None = None
-        self._flag_ptrs: torch.Tensor | None = None
 
     def rendezvous(self) -> None:
         """Collective: map every peer's buffer, then run each algorithm once on known
@@ -285,19 +283,20 @@ class SymmMemAllReduce:
                                        f"self-check: {wrong} of {numel} sums wrong")
 
     def _rendezvous_fused(self) -> None:
-        """Map the fused kernel's buffers, zero the flags, and check one call per dtype on
-        known values (which also compiles the kernel before any graph capture)."""
+        """Map the fused kernel's buffers, mark every slot empty, and check one call per
+        dtype on known values (which also compiles the kernel before any graph capture)."""
         from torch.distributed import _symmetric_memory as symm_mem
+
+        from models.kernels.all_reduce_norm import fill_empty_
 
         if not self.fused_norm:
             return
-        self._fused_buffer[:_FUSED_FLAG_BYTES].zero_()
+        fill_empty_(self._fused_buffer)
         self._fused_handle = symm_mem.rendezvous(self._fused_buffer, self.group_name)
         ptrs = list(self._fused_handle.buffer_ptrs)
-        self._flag_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
-        self._data_ptrs = self._flag_ptrs + _FUSED_FLAG_BYTES
+        self._data_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         torch.cuda.synchronize(self.device)
-        dist.barrier()  # no rank signals before every rank's flags are zero
+        dist.barrier()  # no rank writes into a peer's buffer before it is empty
         hidden, expected = 4096, self.world_size * (self.world_size + 1) // 2 + 1
         for dtype in FAST_DTYPES:
             x = torch.full((2, hidden), self.rank + 1, dtype=dtype, device=self.device)
@@ -328,8 +327,8 @@ class SymmMemAllReduce:
             return None
         return all_reduce_add_rms_norm(
             x, residual, weight, eps, data_ptrs=self._data_ptrs,
-            data_bytes=self._fused_data_bytes, flag_ptrs=self._flag_ptrs,
-            epochs=self._epochs, rank=self.rank, world_size=self.world_size)
+            data_bytes=self._fused_data_bytes, epochs=self._epochs, rank=self.rank,
+            world_size=self.world_size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
@@ -364,7 +363,7 @@ class SymmMemAllReduce:
         self._buffer = None
         self._fused_handle = None
         self._fused_buffer = None
-        self._data_ptrs = self._flag_ptrs = None
+        self._data_ptrs = None
 
 
 @dataclass

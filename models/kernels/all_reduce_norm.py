@@ -3,29 +3,37 @@
 At batch-1 decode a tensor-parallel decoder layer ends twice in "sum the ranks' partial
 outputs, add the residual, RMS-normalize": as separate kernels that is a symmetric-memory
 all-reduce with two cross-GPU barriers (~7-8 us on H200s) and an add-RMSNorm kernel, each
-with its launch gap. Here one program per token row does all of it with ONE barrier:
+with its launch gap. Here one program per token row does all of it, and no flag is ever
+sent: the data is its own signal.
 
-1. push: write this rank's partial row into every peer's symmetric buffer (NVLink stores
-   are posted, so no round trip is waited for), at slot [parity][row][src rank];
-2. signal: after a CTA barrier, store a flag into each peer with release semantics at
-   system scope (the data stores above are visible to the peer before the flag is);
-3. wait: spin on this rank's own flags with acquire loads until every peer's flag for this
-   call has arrived;
-4. sum the ranks' rows in rank order 0..W-1 in float32 (the same order on every rank, so
+1. push: write this rank's partial row into every peer's symmetric buffer at slot
+   [parity][src rank][row] (NVLink stores are posted: nothing waits for them);
+2. take: for each peer, read the row that peer wrote into this rank's buffer with volatile
+   loads, until no element still holds EMPTY, the value every slot is filled with while
+   nothing is in it; then write EMPTY back, so the slot is ready for its next call;
+3. sum the ranks' rows in rank order 0..W-1 in float32 (the same order on every rank, so
    every rank gets bit-identical hidden states), round to the model dtype (as the
    all-reduce's output would be), add the residual, RMS-normalize; write the new residual
    and the normalized row.
 
-Why one barrier is enough: each row slot counts its calls in a per-rank `epochs` array
-(every rank makes the same calls, so the counts agree). Data alternates between two halves
-by the count's parity, and flags carry the count itself (monotonic, compared with wrap-
-around). Before a rank overwrites a half in call k+2, it has passed call k+1's barrier,
-whose flags each peer sent only after it finished reading call k's data from that half.
-Flags and counts live on the device and advance in the kernel, so a CUDA graph of these
-calls replays correctly any number of times.
+Why no flag is needed: a flag written after the data needs a system-scope release between
+the two, i.e. one NVLink round trip before the peer may even start reading, then the flag's
+own trip. With an EMPTY value that real data never takes, each element shows by itself
+whether it has landed; a 16-byte load that sees part of a row re-reads until all of it is
+there. Data never equals EMPTY because the sender replaces it: EMPTY is -0.0 in bf16/fp16
+(sent as +0.0, the same number) and 0x80008000 in float32 (a negative denormal ~4.6e-41,
+sent as -0.0). The fill is the 16-bit word 0x8000 everywhere, which reads as EMPTY in every
+dtype, so rows of another dtype can reuse the buffer.
+
+Why two halves are enough: each row slot counts its calls in a per-rank `epochs` array
+(every rank makes the same calls, so the counts agree), and the data of call k goes to half
+k % 2. Call k+2 writes the half of call k again, but a peer starts call k+2 only after call
+k+1 has taken this rank's row k+1, which this rank pushes only after its call k has read
+and re-emptied that half. Counts and EMPTY slots live on the device and every call leaves
+the buffer empty again, so a CUDA graph of these calls replays any number of times.
 
 All ranks must launch the same calls with the same row counts (they do: TP ranks run the
-same forward), or the barrier waits forever.
+same forward), or a rank waits forever for a row that never comes.
 """
 
 from __future__ import annotations
@@ -36,87 +44,94 @@ import triton.language as tl
 
 from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
 
+# The 16-bit word an empty slot is filled with (0x8000 as int16): EMPTY in every dtype.
+EMPTY_WORD = -32768
+# Per element size in bits: (EMPTY as that integer, what the sender writes for data equal
+# to it).
+_EMPTY_16 = tl.constexpr(-32768)  # 0x8000: -0.0, sent as +0.0
+_EMPTY_32 = tl.constexpr(-2147450880)  # 0x80008000, sent as 0x80000000 (-0.0)
+_EMPTY_32_SENT_AS = tl.constexpr(-2147483648)
+
+
+def fill_empty_(buffer: torch.Tensor) -> None:
+    """Mark every slot of a data buffer (any dtype, an even number of bytes) empty."""
+    buffer.view(torch.int16).fill_(EMPTY_WORD)
+
 
 @triton.jit
-def _store_release(addrs, values):
-    """st.release.sys of `values` to `addrs` (elementwise; replicated lanes store the same
-    value to the same address, which is harmless)."""
-    return tl.inline_asm_elementwise(
-        "mov.u32 $0, 0; st.global.release.sys.u32 [$1], $2;",
-        "=r,l,r", [addrs, values], dtype=tl.int32, is_pure=False, pack=1)
+def _to_words(x):
+    """x's bits as integers, with EMPTY replaced: what goes over the wire."""
+    if x.dtype.primitive_bitwidth == 16:
+        words = x.to(tl.int16, bitcast=True)
+        words = tl.where(words == _EMPTY_16, 0, words).to(tl.int16)
+    else:
+        words = x.to(tl.int32, bitcast=True)
+        words = tl.where(words == _EMPTY_32, _EMPTY_32_SENT_AS, words).to(tl.int32)
+    return words
 
 
 @triton.jit
-def _wait_acquire(addrs, targets):
-    """Spin with ld.acquire.sys until each flag has reached its target (wrap-safe signed
-    difference); returns the flags seen."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-            .reg .u32 %flag;
-            .reg .s32 %diff;
-            .reg .pred %early;
-            wait_flag:
-                ld.global.acquire.sys.u32 %flag, [$1];
-                sub.s32 %diff, %flag, $2;
-                setp.lt.s32 %early, %diff, 0;
-                @%early bra wait_flag;
-            mov.u32 $0, %flag;
-        }
-        """,
-        "=r,l,r", [addrs, targets], dtype=tl.int32, is_pure=False, pack=1)
+def _data_pointer(data_ptrs, rank, dtype: tl.constexpr):
+    """Rank `rank`'s data region as a `dtype` pointer. Its base is 16-byte aligned (symmetric
+    memory allocations are), and Triton cannot know that of a pointer read from memory:
+    without the hint every row moves in 2-byte loads and stores instead of 16-byte ones."""
+    return tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _take_row(ptrs, mask):
+    """A peer's row at `ptrs` (integer words) once every element has landed; leaves the
+    slot EMPTY again. Volatile loads: each one goes to L2, where the peer's stores land,
+    never to a stale L1 line."""
+    empty = _EMPTY_16 if ptrs.dtype.element_ty.primitive_bitwidth == 16 else _EMPTY_32
+    words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    while tl.max((words == empty).to(tl.int32), axis=0) > 0:
+        words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    tl.store(ptrs, tl.full(words.shape, empty, words.dtype), mask=mask)
+    return words
 
 
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    data_ptrs, flag_ptrs, epochs_ptr,
-    eps, hidden, flag_rows, data_rows,
+    data_ptrs, epochs_ptr,
+    eps, hidden, data_rows,
     stride_x, stride_r, stride_o, stride_ro,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_prior_kernel(PDL)  # x is the previous kernel's output
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
-    dtype = x.dtype
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # no kernel writes it
+    # The rest after the wait: x and the residual come from earlier kernels, and the call
+    # count from this kernel's previous call, which may be the kernel right before.
+    wait_for_prior_kernel(PDL)
     epoch = tl.load(epochs_ptr + row)
     half = (epoch & 1) * WORLD  # data layout [parity][src][data_rows][hidden]
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
+    residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    words = _to_words(x)
     # This rank's row goes to the same place in every peer's buffer.
     slot = ((half + RANK) * data_rows + row).to(tl.int64) * hidden
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            peer_data = tl.load(data_ptrs + peer).to(tl.pointer_type(dtype))
-            tl.store(peer_data + slot + offs, x, mask=mask)
-    tl.debug_barrier()  # every lane's stores are issued before the flags go out
+            peer_data = _data_pointer(data_ptrs, peer, words.dtype)
+            tl.store(peer_data + slot + offs, words, mask=mask)
 
-    # flags[src][row] in each rank's buffer hold src's call count for the row. Tell every
-    # rank (ourselves too, which keeps the wait below uniform) that this call's row landed,
-    # then wait until every rank's has.
-    ranks = tl.arange(0, WORLD)
-    target = tl.zeros([WORLD], dtype=tl.int32) + epoch + 1
-    flags = tl.load(flag_ptrs + ranks).to(tl.pointer_type(tl.int32))  # [WORLD]
-    _store_release(flags + RANK * flag_rows + row, target)
-    own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    _wait_acquire(own_flags + ranks * flag_rows + row, target)
-    tl.debug_barrier()  # every lane reads after the flags were seen
-
-    own_data = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
+    own_data = _data_pointer(data_ptrs, RANK, words.dtype)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for src in tl.static_range(WORLD):  # rank order on every rank: identical sums
         if src == RANK:
             acc += x.to(tl.float32)
         else:
             src_slot = ((half + src) * data_rows + row).to(tl.int64) * hidden
-            acc += tl.load(own_data + src_slot + offs, mask=mask, other=0.0,
-                           cache_modifier=".cv").to(tl.float32)
+            peer_row = _take_row(own_data + src_slot + offs, mask)
+            acc += peer_row.to(dtype, bitcast=True).to(tl.float32)
     reduced = acc.to(dtype)  # what the all-reduce would have returned
-    residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
     h = (reduced.to(tl.float32) + residual.to(tl.float32)).to(dtype)  # the new residual
     h32 = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h32 * h32, axis=0) / hidden + eps)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     out = weight.to(tl.float32) * (h32 * rstd).to(dtype).to(tl.float32)
     tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
     tl.store(out_ptr + row * stride_o + offs, out.to(dtype), mask=mask)
@@ -130,9 +145,8 @@ def all_reduce_add_rms_norm(
     eps: float,
     *,
     data_ptrs: torch.Tensor,  # [W] int64: every rank's data region (symmetric memory)
-    data_bytes: int,  # size of each data region
-    flag_ptrs: torch.Tensor,  # [W] int64: every rank's int32 flags [W, flag_rows], zeroed
-    epochs: torch.Tensor,  # [flag_rows] int32: this rank's call count per row, zeroed
+    data_bytes: int,  # size of each data region, filled by fill_empty_ before the first call
+    epochs: torch.Tensor,  # [max rows] int32: this rank's call count per row, zeroed
     rank: int,
     world_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +155,9 @@ def all_reduce_add_rms_norm(
     (calls of another hidden size or dtype use another data layout: a barrier must separate
     them)."""
     num_rows, hidden = x.shape
-    flag_rows = epochs.shape[0]
     # Rows per half and rank in the data region: the layout every call of this hidden size
     # and dtype shares.
-    rows = min(flag_rows, data_bytes // (2 * world_size * hidden * x.element_size()))
+    rows = min(epochs.shape[0], data_bytes // (2 * world_size * hidden * x.element_size()))
     assert 0 < num_rows <= rows, f"{num_rows} rows, the buffers hold {rows}"
     assert world_size >= 2 and world_size & (world_size - 1) == 0, world_size
     assert residual.shape == x.shape and residual.dtype == x.dtype
@@ -156,8 +169,8 @@ def all_reduce_add_rms_norm(
     pdl = pdl_enabled(x.device)
     _all_reduce_add_rms_norm_kernel[(num_rows,)](
         x, residual, weight, out, residual_out,
-        data_ptrs, flag_ptrs, epochs,
-        eps, hidden, flag_rows, rows,
+        data_ptrs, epochs,
+        eps, hidden, rows,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         RANK=rank, WORLD=world_size, BLOCK_H=block_h, PDL=pdl,
         num_warps=4 if block_h <= 2048 else 8, launch_pdl=pdl,

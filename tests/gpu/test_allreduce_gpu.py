@@ -1,8 +1,9 @@
-"""The symmetric-memory all-reduce of `models.parallel` on two GPUs: `tp_all_reduce` with the
-fast path on sums random inputs like NCCL and like the float32 sum of every rank's input
-(gathered), eagerly and from a CUDA graph replayed with new inputs; with one-shot and with
-two-shot; for aligned, offset and strided tensors; and what it does not cover (too large,
-float16, odd sizes) still sums right through NCCL."""
+"""The symmetric-memory all-reduce of `models.parallel` on two and on four GPUs:
+`tp_all_reduce` with the fast path on sums random inputs like NCCL and like the float32 sum
+of every rank's input (gathered), eagerly and from a CUDA graph replayed with new inputs;
+with one-shot and with two-shot; for aligned, offset and strided tensors; and what it does
+not cover (too large, float16, odd sizes) still sums right through NCCL. The fused
+all-reduce + add + RMSNorm kernel matches the unfused path, with ranks bit-identical."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from models.layers.layernorm import add_rms_norm
 from models.parallel import init_fast_all_reduce, tp_all_reduce, tp_all_reduce_add_rms_norm
 
 pytestmark = pytest.mark.timeout(300)
-WORLD_SIZE = 2
 HIDDEN = 4096
 SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 
@@ -28,14 +28,19 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 
 def _assert_sum(got: torch.Tensor, x: torch.Tensor, what: str) -> None:
-    """`got` (this rank's result for its input `x`) is every rank's x summed: within one
-    rounding to x's dtype of the float32 sum of the gathered inputs, as NCCL's is."""
-    parts = [torch.empty_like(x) for _ in range(WORLD_SIZE)]
+    """`got` (this rank's result for its input `x`) is every rank's x summed, as NCCL's is:
+    on two ranks within one rounding to x's dtype of the float32 sum of the gathered inputs;
+    on more, within the bound of a sum rounded after each of its W - 1 adds (in any order),
+    (W - 1) ulps of the sum of magnitudes."""
+    world = dist.get_world_size()
+    parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous())
-    exact = torch.stack([p.float() for p in parts]).sum(0)
+    stacked = torch.stack([p.float() for p in parts])
+    exact = stacked.sum(0)
     nccl = x.clone()
     dist.all_reduce(nccl)
-    ulp = exact.abs() * 2.0 ** (1 - SIGNIFICAND_BITS[x.dtype]) + 1e-30
+    scale = exact.abs() if world == 2 else (world - 1) * stacked.abs().sum(0)
+    ulp = scale * 2.0 ** (1 - SIGNIFICAND_BITS[x.dtype]) + 1e-30
     assert got.shape == x.shape and got.dtype == x.dtype, what
     assert torch.all((nccl.float() - exact).abs() <= ulp), f"{what}: the NCCL reference"
     err = (got.float() - exact).abs()
@@ -107,7 +112,7 @@ def _fused_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused path: the float32 sum of every rank's x in rank order, rounded to x's
     dtype, then the model's add + RMSNorm (eager torch)."""
-    parts = [torch.empty_like(x) for _ in range(WORLD_SIZE)]
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
     total = parts[0].float()
     for part in parts[1:]:
@@ -127,7 +132,7 @@ def _check_fused(got: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
     assert err <= 2 * ulp, f"{what}: normalized output off by {err} relative"
     # Every rank holds bit-identical results (the ranks' hidden states must not drift).
     for mine in (out, new_residual):
-        gathered = [torch.empty_like(mine) for _ in range(WORLD_SIZE)]
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine.contiguous())
         assert all(torch.equal(g, gathered[0]) for g in gathered), f"{what}: ranks differ"
 
@@ -146,6 +151,19 @@ def _fused_cases(device: torch.device, rank: int) -> None:
                      weight, f"eager {shape} {dtype}")
         torch.cuda.synchronize()
         dist.barrier()  # another hidden size / dtype lays the buffer out differently
+    # Values equal to the kernel's EMPTY marker (-0.0 in bf16, 0x80008000 in float32) must
+    # arrive like any other: sent as a value that does not mark a slot empty, or the
+    # receiver would wait for them forever.
+    for dtype, bits in ((torch.bfloat16, -32768), (torch.float32, -2147450880)):
+        x = _random((2, HIDDEN), dtype, device, seed=600 + rank)
+        as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        x.view(as_int)[:, rank::3] = bits
+        residual = _random((2, HIDDEN), dtype, device, seed=601)
+        weight = _random((HIDDEN,), dtype, device, seed=602)
+        _check_fused(tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6), x, residual,
+                     weight, f"EMPTY-valued elements {dtype}")
+        torch.cuda.synchronize()
+        dist.barrier()
     # Too large for the fused path ([64, 4096] bf16 = 512 KiB): the caller's job.
     big = torch.zeros(64, HIDDEN, dtype=torch.bfloat16, device=device)
     assert tp_all_reduce_add_rms_norm(big, big, big[0], 1e-6) is None
@@ -183,7 +201,7 @@ def _fused_cases(device: torch.device, rank: int) -> None:
 
 def _rank(rank: int, world_size: int) -> None:
     device = torch.device("cuda", rank)
-    # Default: one-shot for everything up to 8 MiB on two ranks.
+    # Default: one-shot for everything up to 8 MiB on two ranks (512 KiB on four).
     assert init_fast_all_reduce(device), "the fast path did not start (see the warning)"
     _fused_cases(device, rank)
     _eager_cases(device, rank, "one-shot")
@@ -197,7 +215,8 @@ def _rank(rank: int, world_size: int) -> None:
     _graph_case(device, rank, "64 KiB buffer")
 
 
-def test_fast_all_reduce_sums_like_nccl():
-    if torch.cuda.device_count() < WORLD_SIZE:
-        pytest.skip(f"needs {WORLD_SIZE} GPUs, found {torch.cuda.device_count()}")
-    launch(_rank, WORLD_SIZE)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fast_all_reduce_sums_like_nccl(world_size: int):
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    launch(_rank, world_size)

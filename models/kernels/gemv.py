@@ -101,6 +101,10 @@ TUNED: dict[tuple[int, int, int], GemvConfig | None] = {
     (1536, 4096, 2): _FMA_K1024,  # 8B qkv TP=4: 8.74 -> 6.00 us
     (4096, 4096, 2): _FMA_K1024,  # 8B o_proj: 13.58 -> 11.01 us
     (4096, 2048, 2): _FMA_K2048,  # 8B o_proj TP=2: 7.31 -> 6.84 us
+    # 8B o_proj TP=4: under 5% apart alone, but in the decode chain a cuBLAS launch cannot
+    # start early (PDL) nor let the all-reduce after it: TP=4 batch-1 device time per step
+    # 2.218 -> 2.131 ms (`bench offline --single --tensor-parallel-size 4`, 4x H200).
+    (4096, 1024, 2): _FMA_K1024,
     (12288, 4096, 2): _FMA_K1024,  # 8B gate_up TP=2: 28.00 -> 26.15 us
     (4096, 12288, 2): _FMA_K2048,  # 8B down: 29.70 -> 26.13 us
     (4096, 6144, 2): _FMA_K1024,  # 8B down TP=2: 17.72 -> 14.69 us

@@ -100,7 +100,11 @@ def _critical_path(prof, steps: int) -> None:
     for name, ns in sorted(share.items(), key=lambda kv: -kv[1]):
         print(f"{name:62s} {count.get(name, 0) / steps:6.1f} {ns / steps / 1e3:9.1f} "
               f"{ns / total:7.1%}")
-    mid = len(rows) // 2
+    # From the middle of the run, at the first launch of the most frequent kernel (a layer's,
+    # not the host copies that open each step).
+    frequent = max(count, key=count.get)
+    mid = next((i for i in range(len(rows) // 2, len(rows)) if rows[i][2] == frequent),
+               len(rows) // 2)
     print("\none stretch of a step: start (us from the first), duration, added to the path")
     t0 = rows[mid][0]
     for start, end, name, added in rows[mid:mid + 20]:

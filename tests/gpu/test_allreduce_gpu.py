@@ -14,6 +14,7 @@ import torch.distributed as dist
 from benchmarks.allreduce_bench import launch
 from models.layers.layernorm import add_rms_norm
 from models.parallel import init_fast_all_reduce, tp_all_reduce, tp_all_reduce_add_rms_norm
+from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.timeout(300)
 HIDDEN = 4096
@@ -89,14 +90,7 @@ def _graph_case(device: torch.device, rank: int, tag: str) -> None:
         out_strided = tp_all_reduce((wide * 1)[:, :HIDDEN])
         return out_big, out_small, out_strided
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = body()
+    graph, outs = capture(body)
     for step in range(3):
         inputs = [_random(t.shape, t.dtype, device, seed=1000 * step + 10 * k + rank)
                   for k, t in enumerate((big, small, wide))]
@@ -177,14 +171,7 @@ def _fused_cases(device: torch.device, rank: int) -> None:
         second = tp_all_reduce_add_rms_norm(first[0] * 1, first[1], weight, 1e-6)
         return [first, second, tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6)]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = body()
+    graph, outs = capture(body)
     for step in range(4):
         x.copy_(_random(x.shape, x.dtype, device, seed=900 + 10 * step + rank))
         residual.copy_(_random(x.shape, x.dtype, device, seed=901 + 10 * step))

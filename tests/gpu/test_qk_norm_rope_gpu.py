@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.graphs import capture
 from tests.test_qk_norm_rope_kernel import (
     TOL,
     Case,
@@ -42,15 +43,7 @@ def test_cuda_graph_replay_with_new_inputs(dtype: torch.dtype) -> None:
     case = Case(dtype, 8, HEADS, KV_HEADS, HEAD_DIM)
     static = make_inputs(case, gen, DEVICE)
     out = torch.empty(case.num_tokens, HEADS, HEAD_DIM, dtype=dtype, device=DEVICE)
-    # Compile outside the capture.
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run_kernel(case, static, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_kernel(case, static, out=out)
+    graph, _ = capture(lambda: run_kernel(case, static, out=out))
     for _ in range(3):
         new = make_inputs(case, gen, DEVICE)
         static.qkv.copy_(new.qkv)

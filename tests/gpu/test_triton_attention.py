@@ -27,6 +27,7 @@ from models.kernels.paged_attention import (
     split_counters,
     split_workspace,
 )
+from tests.gpu.graphs import capture
 
 DEVICE = torch.device("cuda")
 NAN = float("nan")
@@ -252,6 +253,18 @@ def test_store_kv(dtype: torch.dtype, block_size: int) -> None:
     assert flat[:, untouched].isnan().all()
 
 
+def _check_padded_replay(out: torch.Tensor, batch: Batch, counters: torch.Tensor,
+                         what: str) -> None:
+    """After a replay over `batch` in every row but the last, a seq_len 0 padding row: the
+    real rows match the reference, the padding row is zeros, the split counters are zero
+    again."""
+    torch.cuda.synchronize()
+    err = max_row_rel_err(out[:-1], batch.ref, batch.meta.cu_seqlens_q_cpu)
+    assert err < TOL[batch.query.dtype], f"{what}relative error {err:.2e}"
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), "seq_len 0 row must be zeros"
+    assert torch.count_nonzero(counters) == 0, "split counters not left zeroed"
+
+
 @pytest.mark.parametrize("layout", [(32, 8, 128), (4, 1, 64)], ids=_layout_id)
 def test_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
     """Capture store_kv + forward once for a decode batch, replay with new lengths/data."""
@@ -276,14 +289,7 @@ def test_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
         backend.store_kv(key, value, kv_cache, meta.slot_mapping)
         return backend.forward(query, kv_cache, meta, scale)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
 
     rng = random.Random(_seed("graph", layout))
     gen = torch.Generator(device=DEVICE).manual_seed(_seed("graph", layout))
@@ -305,12 +311,7 @@ def test_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
         meta.block_tables[real, :width] = batch.meta.block_tables
         out.fill_(NAN)
         graph.replay()
-        torch.cuda.synchronize()
-        err = max_row_rel_err(out[real], batch.ref, batch.meta.cu_seqlens_q_cpu)
-        assert err < TOL[dtype], f"relative error {err:.2e}"
-        assert torch.equal(out[-1], torch.zeros_like(out[-1])), "seq_len 0 row must be zeros"
-        counters = backend.split_kv_counters(query.device)
-        assert torch.count_nonzero(counters) == 0, "split counters not left zeroed"
+        _check_padded_replay(out, batch, backend.split_kv_counters(query.device), "")
 
 
 @pytest.mark.parametrize("splits", [2, 8, 32])
@@ -336,14 +337,7 @@ def test_split_launch_graph_replay(splits: int) -> None:
         paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens, block_tables,
                         scale, launch, out=out, workspace=workspace, counters=counters)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
     torch.cuda.synchronize()
     assert torch.count_nonzero(counters) == 0, "the eager warm-up left counters set"
 
@@ -367,11 +361,7 @@ def test_split_launch_graph_replay(splits: int) -> None:
         for part in workspace:  # every partial must be written before the merge reads it
             part.fill_(NAN)
         graph.replay()
-        torch.cuda.synchronize()
-        err = max_row_rel_err(out[real], batch.ref, batch.meta.cu_seqlens_q_cpu)
-        assert err < TOL[dtype], f"lengths {lens}: relative error {err:.2e}"
-        assert torch.equal(out[-1], torch.zeros_like(out[-1])), "seq_len 0 row must be zeros"
-        assert torch.count_nonzero(counters) == 0, "split counters not left zeroed"
+        _check_padded_replay(out, batch, counters, f"lengths {lens}: ")
 
 
 @pytest.mark.parametrize("mix", ["decode_b1_long", "decode_b4", "mixed_all"])

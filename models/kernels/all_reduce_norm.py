@@ -123,7 +123,9 @@ def _all_reduce_add_rms_norm_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for src in tl.static_range(WORLD):  # rank order on every rank: identical sums
         if src == RANK:
-            acc += x.to(tl.float32)
+            # What the peers received, not x: where x held EMPTY they add its replacement,
+            # and so must this rank, or the ranks' hidden states could differ in a bit.
+            acc += words.to(dtype, bitcast=True).to(tl.float32)
         else:
             src_slot = ((half + src) * data_rows + row).to(tl.int64) * hidden
             peer_row = _take_row(own_data + src_slot + offs, mask)

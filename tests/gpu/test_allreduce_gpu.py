@@ -148,7 +148,8 @@ def _fused_cases(device: torch.device, rank: int) -> None:
     # Values equal to the kernel's EMPTY marker (-0.0 in bf16, 0x80008000 in float32) must
     # arrive like any other: sent as a value that does not mark a slot empty, or the
     # receiver would wait for them forever.
-    for dtype, bits in ((torch.bfloat16, -32768), (torch.float32, -2147450880)):
+    for dtype, bits, sent_as in ((torch.bfloat16, -32768, 0),
+                                 (torch.float32, -2147450880, -2147483648)):
         x = _random((2, HIDDEN), dtype, device, seed=600 + rank)
         as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
         x.view(as_int)[:, rank::3] = bits
@@ -156,6 +157,19 @@ def _fused_cases(device: torch.device, rank: int) -> None:
         weight = _random((HIDDEN,), dtype, device, seed=602)
         _check_fused(tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6), x, residual,
                      weight, f"EMPTY-valued elements {dtype}")
+        torch.cuda.synchronize()
+        dist.barrier()
+        # Rank 0 alone holds EMPTY values and every other input is zero, so nothing absorbs
+        # them: every rank must sum what rank 0 sent (-0.0 for the float32 denormal, the
+        # kernel's documented replacement), bit for bit alike (_check_fused).
+        x = torch.zeros((1, HIDDEN), dtype=dtype, device=device)
+        sent = x.clone()
+        if rank == 0:
+            x.view(as_int)[:, ::5] = bits
+            sent.view(as_int)[:, ::5] = sent_as
+        zeros = torch.zeros_like(x)
+        _check_fused(tp_all_reduce_add_rms_norm(x, zeros, weight, 1e-6), sent, zeros, weight,
+                     f"EMPTY values on one rank {dtype}")
         torch.cuda.synchronize()
         dist.barrier()
     # Too large for the fused path ([64, 4096] bf16 = 512 KiB): the caller's job.

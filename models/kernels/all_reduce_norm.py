@@ -48,7 +48,7 @@ from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
 EMPTY_WORD = -32768
 # Per element size in bits: (EMPTY as that integer, what the sender writes for data equal
 # to it).
-_EMPTY_16 = tl.constexpr(-32768)  # 0x8000: -0.0, sent as +0.0
+_EMPTY_16 = tl.constexpr(EMPTY_WORD)  # 0x8000: -0.0, sent as +0.0
 _EMPTY_32 = tl.constexpr(-2147450880)  # 0x80008000, sent as 0x80000000 (-0.0)
 _EMPTY_32_SENT_AS = tl.constexpr(-2147483648)
 

@@ -238,7 +238,8 @@ def _gemv_case(n: int, k: int, dtype: str, cfg: gemv.GemvConfig, has_bias: bool,
                         USE_MMA=cfg.kind == "mma",
                         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
                         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=has_bias,
-                        SPLIT_K=k_chunk < k, PDL=True),
+                        SPLIT_K=k_chunk < k, PDL=True,
+                        ROWS=gemv.MAX_M if cfg.kind == "mma" else gemv.row_bucket(m)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ints=dict(M=m, N=n, K=k, stride_xm=k, stride_om=n, k_chunk=k_chunk),
     )
@@ -267,6 +268,11 @@ def _gemv_cases() -> list[Any]:
     for label, n, k, dtype, cfg, has_bias in extra:
         cases.append(pytest.param(_gemv_case(n, k, dtype, cfg, has_bias, m=4),
                                   id=f"gemv-{label}-n{n}-k{k}-{dtype}"))
+    # The other fma row buckets (each its own compile; bucket 4 is above).
+    for m in (2, 8):
+        cases.append(pytest.param(
+            _gemv_case(1536, 4096, "bf16", gemv.GemvConfig(block_n=1, block_k=1024), False, m=m),
+            id=f"gemv-rows{m}-n1536-k4096-bf16"))
     for has_bias in (False, True):
         case = Case(
             kernel=gemv._split_k_finalize_kernel,

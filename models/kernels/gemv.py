@@ -11,8 +11,11 @@ Two tile kinds, picked per shape by `GemvConfig.kind` (the benchmark decides whi
   contiguous along K, so each thread issues 16-byte loads and multiplies them into per-thread
   float32 partials `[BLOCK_N, BLOCK_K // VEC]` with an in-thread sum over VEC; the lanes and
   warps that split K are reduced only once, after the loop. x rows are separate accumulators
-  (registers grow with M), chosen by a runtime branch on M (buckets 1, 2, 4, 8), so one
-  compiled kernel serves M = 1..8 without paying eight rows' FLOPs at M = 1.
+  (registers grow with M), one compiled kernel per row bucket (1, 2, 4, 8; M itself stays a
+  runtime value). A runtime branch over the buckets inside one kernel would size every
+  launch's registers for the largest: at M = 1 that was 42 registers a thread with 1024-wide
+  K steps and 96 with 2048-wide ones, against 32 (sm_90 compile), i.e. 10 or 5 resident
+  programs per SM instead of 16, and as many fewer weight bytes in flight.
 - "mma": swap A/B so the weight is the big operand of a tensor-core dot,
   `acc[BLOCK_N, 8] = W[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, 8]` (x padded to MAX_M rows), which
   lets Triton's pipeliner stage weight tiles through shared memory (cp.async, num_stages
@@ -279,7 +282,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_om, k_chunk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_MMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last tile re-reads row N-1 instead of masking every weight load; its stores are
@@ -300,23 +303,9 @@ def _gemv_kernel(
         _store_out(out_ptr, ws_ptr, b_ptr, cols[None, :], offs_n[:, None], acc, M, N,
                    stride_om, HAS_BIAS, SPLIT_K)
     else:
-        # M is a runtime value (do_not_specialize): branch to the smallest row bucket.
-        if M == 1:
-            _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
-                      offs_n, rows, k_start, k_end, 1, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K)
-        elif M == 2:
-            _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
-                      offs_n, rows, k_start, k_end, 2, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K)
-        elif M <= 4:
-            _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
-                      offs_n, rows, k_start, k_end, 4, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K)
-        else:
-            _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
-                      offs_n, rows, k_start, k_end, 8, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                      HAS_BIAS, SPLIT_K)
+        _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
+                  offs_n, rows, k_start, k_end, ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K,
+                  HAS_BIAS, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -336,6 +325,13 @@ def _split_k_finalize_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
 
 
 # --------------------------------------------------------------------------- launcher
+
+
+def row_bucket(m: int) -> int:
+    """The fma kernel's x rows for M rows: the next of 1, 2, 4, 8 (rows past M re-read row
+    M - 1 and store nothing). mma launches pass MAX_M, which they ignore: x is padded to
+    MAX_M rows there, and one compile serves every M."""
+    return 1 if m <= 1 else triton.next_power_of_2(m)
 
 
 def gemv(
@@ -391,6 +387,7 @@ def gemv(
         USE_MMA=cfg.kind == "mma",
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split, PDL=pdl,
+        ROWS=MAX_M if cfg.kind == "mma" else row_bucket(num_rows),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if split:

@@ -8,9 +8,10 @@ sent: the data is its own signal.
 
 1. push: write this rank's partial row into every peer's symmetric buffer at slot
    [parity][src rank][row] (NVLink stores are posted: nothing waits for them);
-2. take: for each peer, read the row that peer wrote into this rank's buffer with volatile
-   loads, until no element still holds EMPTY, the value every slot is filled with while
-   nothing is in it; then write EMPTY back, so the slot is ready for its next call;
+2. take: read the rows the peers wrote into this rank's buffer, all peers' in one [W,
+   hidden] tile, with volatile loads, until no element still holds EMPTY, the value every
+   slot is filled with while nothing is in it; then write EMPTY back, so the slots are
+   ready for their next call;
 3. sum the ranks' rows in rank order 0..W-1 in float32 (the same order on every rank, so
    every rank gets bit-identical hidden states), round to the model dtype (as the
    all-reduce's output would be), add the residual, RMS-normalize; write the new residual
@@ -79,13 +80,14 @@ def _data_pointer(data_ptrs, rank, dtype: tl.constexpr):
 
 
 @triton.jit
-def _take_row(ptrs, mask):
-    """A peer's row at `ptrs` (integer words) once every element has landed; leaves the
-    slot EMPTY again. Volatile loads: each one goes to L2, where the peer's stores land,
-    never to a stale L1 line."""
+def _take_rows(ptrs, mask):
+    """The rows at `ptrs` ([ranks, BLOCK_H] integer words) once every element has landed;
+    leaves the slots EMPTY again. All peers' rows are polled together, so once they have
+    landed the wait is one L2 round trip rather than one per peer in turn. Volatile loads:
+    each one goes to L2, where the peers' stores land, never to a stale L1 line."""
     empty = _EMPTY_16 if ptrs.dtype.element_ty.primitive_bitwidth == 16 else _EMPTY_32
     words = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    while tl.max((words == empty).to(tl.int32), axis=0) > 0:
+    while tl.max(tl.max((words == empty).to(tl.int32), axis=1), axis=0) > 0:
         words = tl.load(ptrs, mask=mask, other=0, volatile=True)
     tl.store(ptrs, tl.full(words.shape, empty, words.dtype), mask=mask)
     return words
@@ -119,17 +121,18 @@ def _all_reduce_add_rms_norm_kernel(
             peer_data = _data_pointer(data_ptrs, peer, words.dtype)
             tl.store(peer_data + slot + offs, words, mask=mask)
 
+    srcs = tl.arange(0, WORLD)[:, None]  # [WORLD, 1]
+    peer_slots = ((half + srcs) * data_rows + row).to(tl.int64) * hidden + offs[None, :]
     own_data = _data_pointer(data_ptrs, RANK, words.dtype)
+    # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
+    peer_words = _take_rows(own_data + peer_slots, mask[None, :] & (srcs != RANK))
+    # What the peers received, not x: where x held EMPTY they add its replacement, and so
+    # must this rank, or the ranks' hidden states could differ in a bit.
+    rows = tl.where(srcs == RANK, words[None, :], peer_words).to(dtype, bitcast=True)
+    rows = rows.to(tl.float32)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for src in tl.static_range(WORLD):  # rank order on every rank: identical sums
-        if src == RANK:
-            # What the peers received, not x: where x held EMPTY they add its replacement,
-            # and so must this rank, or the ranks' hidden states could differ in a bit.
-            acc += words.to(dtype, bitcast=True).to(tl.float32)
-        else:
-            src_slot = ((half + src) * data_rows + row).to(tl.int64) * hidden
-            peer_row = _take_row(own_data + src_slot + offs, mask)
-            acc += peer_row.to(dtype, bitcast=True).to(tl.float32)
+        acc += tl.sum(tl.where(srcs == src, rows, 0.0), axis=0)  # row src, plus exact zeros
     reduced = acc.to(dtype)  # what the all-reduce would have returned
     h = (reduced.to(tl.float32) + residual.to(tl.float32)).to(dtype)  # the new residual
     h32 = h.to(tl.float32)

@@ -90,29 +90,35 @@ class GemvConfig:
 
 # Measured winners per (N, K, element size in bytes) at M = 1 (batch-1 decode), where cuBLAS
 # picks slow kernels for several of these shapes; None or absent: cuBLAS. From
-# `python -m benchmarks.gemv_bench --m 1,4 --rep 2` on an H200 (bf16, cold weights, CUDA
-# graphs; benchmarks/RESULTS.md). Split-K configs won a few percent on some 8B shapes but
-# their atomics make logits differ from run to run, so the table keeps to the best
-# deterministic config; shapes it gained under ~5% on stay with cuBLAS.
+# `python -m benchmarks.gemv_bench --m 1 --rep 2` on an H200 (bf16, cold weights, CUDA
+# graphs, us per call: cuBLAS -> this entry; benchmarks/RESULTS.md, sessions 5 and 9).
+# Split-K configs won a few percent on some 8B shapes but their atomics make logits differ
+# from run to run, so the table keeps to the best deterministic config; shapes it gained
+# under ~5% on stay with cuBLAS. The 2048-wide K steps won on most 8B shapes only once each
+# row bucket got its own compile (before, their registers halved the programs per SM).
 _FMA_K1024 = GemvConfig(block_n=1, block_k=1024)
 _FMA_K2048 = GemvConfig(block_n=1, block_k=2048)
+_FMA_K2048_W8 = GemvConfig(block_n=1, block_k=2048, num_warps=8)
 TUNED: dict[tuple[int, int, int], GemvConfig | None] = {
-    (1024, 2048, 2): _FMA_K2048,  # 0.6B o_proj: 12.82 -> 3.52 us
-    (1024, 3072, 2): _FMA_K1024,  # 0.6B down: 7.66 -> 4.13 us
-    (6144, 4096, 2): _FMA_K1024,  # 8B qkv, 8B gate_up TP=4: 16.56 -> 14.73 us
-    (3072, 4096, 2): _FMA_K1024,  # 8B qkv TP=2: 12.33 -> 8.98 us
-    (1536, 4096, 2): _FMA_K1024,  # 8B qkv TP=4: 8.74 -> 6.00 us
-    (4096, 4096, 2): _FMA_K1024,  # 8B o_proj: 13.58 -> 11.01 us
-    (4096, 2048, 2): _FMA_K2048,  # 8B o_proj TP=2: 7.31 -> 6.84 us
-    # 8B o_proj TP=4: under 5% apart alone, but in the decode chain a cuBLAS launch cannot
-    # start early (PDL) nor let the all-reduce after it: TP=4 batch-1 device time per step
-    # 2.218 -> 2.131 ms (`bench offline --single --tensor-parallel-size 4`, 4x H200).
-    (4096, 1024, 2): _FMA_K1024,
-    (12288, 4096, 2): _FMA_K1024,  # 8B gate_up TP=2: 28.00 -> 26.15 us
-    (4096, 12288, 2): _FMA_K2048,  # 8B down: 29.70 -> 26.13 us
-    (4096, 6144, 2): _FMA_K1024,  # 8B down TP=2: 17.72 -> 14.69 us
-    (4096, 3072, 2): _FMA_K1024,  # 8B down TP=4: 11.44 -> 9.59 us
-    (37984, 4096, 2): _FMA_K1024,  # 8B LM head TP=4: 80.14 -> 71.88 us
+    (1024, 2048, 2): _FMA_K2048,  # 0.6B o_proj: 12.82 -> 3.52
+    (1024, 3072, 2): _FMA_K1024,  # 0.6B down: 7.66 -> 4.13
+    (6144, 4096, 2): _FMA_K2048_W8,  # 8B qkv (and gate_up at TP=4, unfused): 15.67 -> 12.78
+    (3072, 4096, 2): _FMA_K2048_W8,  # 8B qkv TP=2: 11.53 -> 7.27
+    (1536, 4096, 2): _FMA_K2048_W8,  # 8B qkv TP=4: 8.21 -> 4.72
+    (4096, 4096, 2): _FMA_K2048_W8,  # 8B o_proj: 13.66 -> 9.28
+    (4096, 2048, 2): _FMA_K2048,  # 8B o_proj TP=2: 7.39 -> 5.72
+    # 8B o_proj TP=4: 5.34 -> 4.38 (the fma tile: 5.79). Here the Triton GEMV matters more
+    # than its time alone says: in the decode chain a cuBLAS launch can neither start early
+    # (PDL) nor let the all-reduce after it (TP=4 batch-1 device time per step 2.218 ->
+    # 2.131 ms with the fma tile, `bench offline --single --tensor-parallel-size 4`).
+    (4096, 1024, 2): GemvConfig(block_n=32, block_k=256, kind="mma", num_stages=4),
+    (12288, 4096, 2): _FMA_K1024,  # 8B gate_up TP=2 (unfused): 28.00 -> 26.15
+    (4096, 12288, 2): _FMA_K2048_W8,  # 8B down: 29.98 -> 24.88
+    (4096, 6144, 2): _FMA_K1024,  # 8B down TP=2: 17.72 -> 14.69
+    (4096, 3072, 2): _FMA_K1024,  # 8B down TP=4: 11.44 -> 9.59
+    (151936, 4096, 2): _FMA_K2048_W8,  # 8B LM head: 293.83 -> 269.98
+    (75968, 4096, 2): _FMA_K2048_W8,  # 8B LM head TP=2: 143.82 -> 135.92
+    (37984, 4096, 2): _FMA_K2048_W8,  # 8B LM head TP=4: 81.18 -> 68.80
 }
 # The batch size TUNED was measured at: larger batches keep cuBLAS.
 TUNED_MAX_M = 1

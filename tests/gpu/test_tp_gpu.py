@@ -1,6 +1,10 @@
 """Tensor parallelism on GPUs (NCCL, CUDA graphs on every rank): TP=2 and TP=4 give the same
 greedy tokens as TP=1, in float32, on the tiny model (4 heads, 2 KV heads: TP=2 splits the
-KV heads, TP=4 replicates them)."""
+KV heads, TP=4 replicates them).
+
+The TP engines size their KV cache from the free GPU memory, so run this file alone, not
+beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): on 4x H200 at
+796e2bf two cases failed under `-n 8` with no room left for KV blocks, and passed alone."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ TUNED: dict[tuple[int, int, int], GemvConfig | None] = {
     (1536, 4096, 2): _FMA_K2048_W8,  # 8B qkv TP=4: 8.21 -> 4.72
     (4096, 4096, 2): _FMA_K2048_W8,  # 8B o_proj: 13.66 -> 9.28
     (4096, 2048, 2): _FMA_K2048,  # 8B o_proj TP=2: 7.39 -> 5.72
-    # 8B o_proj TP=4: 5.34 -> 4.38 (the fma tile: 5.79). Here the Triton GEMV matters more
+    # 8B o_proj TP=4: 5.37 -> 4.38 (the fma tile: 5.79). Here the Triton GEMV matters more
     # than its time alone says: in the decode chain a cuBLAS launch can neither start early
     # (PDL) nor let the all-reduce after it (TP=4 batch-1 device time per step 2.218 ->
     # 2.131 ms with the fma tile, `bench offline --single --tensor-parallel-size 4`).
@@ -118,7 +118,7 @@ TUNED: dict[tuple[int, int, int], GemvConfig | None] = {
     (4096, 3072, 2): _FMA_K1024,  # 8B down TP=4: 11.44 -> 9.59
     (151936, 4096, 2): _FMA_K2048_W8,  # 8B LM head: 293.83 -> 269.98
     (75968, 4096, 2): _FMA_K2048_W8,  # 8B LM head TP=2: 143.82 -> 135.92
-    (37984, 4096, 2): _FMA_K2048_W8,  # 8B LM head TP=4: 81.18 -> 68.80
+    (37984, 4096, 2): _FMA_K2048_W8,  # 8B LM head TP=4: 81.40 -> 68.80
 }
 # The batch size TUNED was measured at: larger batches keep cuBLAS.
 TUNED_MAX_M = 1

@@ -239,7 +239,7 @@ def _gemv_case(n: int, k: int, dtype: str, cfg: gemv.GemvConfig, has_bias: bool,
                         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
                         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=has_bias,
                         SPLIT_K=k_chunk < k, PDL=True,
-                        ROWS=gemv.MAX_M if cfg.kind == "mma" else gemv.row_bucket(m)),
+                        ROWS=gemv.row_bucket(cfg, m)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ints=dict(M=m, N=n, K=k, stride_xm=k, stride_om=n, k_chunk=k_chunk),
     )

@@ -333,10 +333,12 @@ def _split_k_finalize_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
 # --------------------------------------------------------------------------- launcher
 
 
-def row_bucket(m: int) -> int:
-    """The fma kernel's x rows for M rows: the next of 1, 2, 4, 8 (rows past M re-read row
-    M - 1 and store nothing). mma launches pass MAX_M, which they ignore: x is padded to
-    MAX_M rows there, and one compile serves every M."""
+def row_bucket(cfg: GemvConfig, m: int) -> int:
+    """The kernel's ROWS for M rows of x: for "fma" the next of 1, 2, 4, 8 (rows past M
+    re-read row M - 1 and store nothing); for "mma" always MAX_M, which it ignores (x is
+    padded to MAX_M rows there), so one compile serves every M."""
+    if cfg.kind == "mma":
+        return MAX_M
     return 1 if m <= 1 else triton.next_power_of_2(m)
 
 
@@ -393,7 +395,7 @@ def gemv(
         USE_MMA=cfg.kind == "mma",
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split, PDL=pdl,
-        ROWS=MAX_M if cfg.kind == "mma" else row_bucket(num_rows),
+        ROWS=row_bucket(cfg, num_rows),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if split:

@@ -80,6 +80,13 @@ def _data_pointer(data_ptrs, rank, dtype: tl.constexpr):
 
 
 @triton.jit
+def _slot_offsets(half, src, row, data_rows, hidden, offs):
+    """Element offsets of row `row`'s slot from rank `src` (layout [parity][src][data_rows]
+    [hidden]; `half` = parity * WORLD), at columns `offs`."""
+    return ((half + src) * data_rows + row).to(tl.int64) * hidden + offs
+
+
+@triton.jit
 def _take_rows(ptrs, mask):
     """The rows at `ptrs` ([ranks, BLOCK_H] integer words) once every element has landed;
     leaves the slots EMPTY again. All peers' rows are polled together, so once they have
@@ -115,14 +122,14 @@ def _all_reduce_add_rms_norm_kernel(
     dtype = x.dtype
     words = _to_words(x)
     # This rank's row goes to the same place in every peer's buffer.
-    slot = ((half + RANK) * data_rows + row).to(tl.int64) * hidden
+    slot = _slot_offsets(half, RANK, row, data_rows, hidden, 0)  # the row's start
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             peer_data = _data_pointer(data_ptrs, peer, words.dtype)
             tl.store(peer_data + slot + offs, words, mask=mask)
 
     srcs = tl.arange(0, WORLD)[:, None]  # [WORLD, 1]
-    peer_slots = ((half + srcs) * data_rows + row).to(tl.int64) * hidden + offs[None, :]
+    peer_slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])
     own_data = _data_pointer(data_ptrs, RANK, words.dtype)
     # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
     peer_words = _take_rows(own_data + peer_slots, mask[None, :] & (srcs != RANK))

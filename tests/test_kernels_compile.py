@@ -162,8 +162,7 @@ def _attention_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
         constexprs=dict(
             NUM_Q_PER_KV=nq, GROUP_PAD=group_pad, BLOCK_Q=launch.block_q, BLOCK_M=block_m,
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=launch.num_splits,
-            MERGE_ROWS=pa._merge_rows(block_m, launch.num_splits, head_dim,
-                                      launch.num_warps),
+            MERGE_ROWS=pa._merge_rows(block_m, head_dim, launch),
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=True,
             PREFETCH_KV=launch.prefetch_kv),
         num_warps=launch.num_warps, num_stages=launch.num_stages,

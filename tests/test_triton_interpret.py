@@ -83,6 +83,8 @@ def test_pdl_switches_off_without_hopper_launches(monkeypatch: pytest.MonkeyPatc
 
 
 def _main(block_size: int) -> None:
+    from dataclasses import replace
+
     import torch
 
     from models.attention_metadata import make_attention_metadata
@@ -214,17 +216,22 @@ def _main(block_size: int) -> None:
     # Shorter than the split count and than one key tile: most partitions are empty.
     short_and_long = [0, 1, 2, 4, 37, 70, 150]
     def check_split_merge():
-        chunked = False
+        chunked = whole = False
         cases = [((4, 2, 32), (2, 4, 8)), ((4, 1, 16), (4,)), ((2, 2, 64), (8,)),
                  ((8, 1, 128), (16,))]
         for (heads, kv_heads, dim), split_counts in cases:
             group_pad = 1 << (heads // kv_heads - 1).bit_length()
             q, kv_cache, meta, ref = padded_decode_batch(short_and_long, heads, kv_heads, dim)
-            for splits in split_counts:
-                launch = AttentionLaunch(block_q=max(1, 16 // group_pad), block_n=16,
-                                         num_splits=splits)
+            # The largest split count also as the small-decode launch, which merges a
+            # whole group at once.
+            launches = [AttentionLaunch(block_q=max(1, 16 // group_pad), block_n=16,
+                                        num_splits=splits) for splits in split_counts]
+            launches.append(replace(launches[-1], prefetch_kv=True, num_warps=8))
+            for launch in launches:
+                splits = launch.num_splits
                 # a decode tile has group_pad rows: fewer per merge step = several steps
-                chunked |= _merge_rows(16, splits, dim, launch.num_warps) < group_pad
+                chunked |= _merge_rows(16, dim, launch) < group_pad
+                whole |= _merge_rows(16, dim, launch) >= group_pad
                 counters = split_counters(64, q.device)
                 out = split_run(q, kv_cache, meta, dim, launch, counters)
                 err = rel_err(out[:-1], ref, meta)
@@ -232,6 +239,7 @@ def _main(block_size: int) -> None:
                 assert torch.equal(out[-1], torch.zeros_like(out[-1])), "seq_len 0 row"
                 assert torch.count_nonzero(counters) == 0, "counters not left zeroed"
         assert chunked, "no case merged a decode tile in several row chunks"
+        assert whole, "no case merged a decode tile in one row chunk"
     def check_split_counters_reused():
         heads, kv_heads, dim = 4, 2, 32
         counters = split_counters(64, "cpu")  # one buffer, launches of different shapes
@@ -258,7 +266,8 @@ def _main(block_size: int) -> None:
         unsplit = split_run(q, kv_cache, meta, dim,
                             AttentionLaunch(block_q=32, block_n=16, num_splits=1), None)
         assert rel_err(unsplit, ref, meta) < 1e-4
-        assert _merge_rows(64, 8, dim, 4) < 64, "no case merges a prefill tile in chunks"
+        assert _merge_rows(64, dim, AttentionLaunch(block_q=32, block_n=16, num_splits=8)) < 64, (
+            "no case merges a prefill tile in chunks")
         for splits in (2, 4, 8):
             launch = AttentionLaunch(block_q=32, block_n=16, num_splits=splits)
             out = split_run(q, kv_cache, meta, dim, launch, split_counters(64, "cpu"))

@@ -341,7 +341,11 @@ def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype,
         block_q=block_q,
         block_n=32 if dtype == torch.float32 else 64,  # fp32 tiles take twice the smem
         num_splits=num_splits,
-        num_warps=8 if block_q * group_pad > 64 else 4,
+        # The small decode launches (prefetch_kv) take 8 warps so that their split merge,
+        # one L2 round trip per row chunk, takes a whole GQA group at once (4 chunks of one
+        # row before: Qwen3-8B batch 1, TP=4, attention 9.3 -> 6.4 us a layer on the
+        # step's critical path, decode 477 -> 523 tok/s; `bench offline --single`, H200).
+        num_warps=8 if block_q * group_pad > 64 or prefetch_kv else 4,
         min_split_len=min_split_len,
         prefetch_kv=prefetch_kv,
     )
@@ -376,12 +380,15 @@ def split_counters(num_counters: int, device: torch.device | str) -> torch.Tenso
     return torch.zeros(num_counters, dtype=torch.int32, device=device)
 
 
-def _merge_rows(block_m: int, num_splits: int, head_dim: int, num_warps: int) -> int:
+def _merge_rows(block_m: int, head_dim: int, launch: AttentionLaunch) -> int:
     """Rows the split merge takes at a time: its [rows, splits, head_dim] float32 tile
     stays near 32 registers per thread. (64 put a decode program of Qwen3's layout at 131
     registers, up from 112 before the merge moved in: fewer programs resident per SM; 32
-    keeps it at 84-92.)"""
-    budget = 32 * 32 * num_warps  # float32 values
+    keeps it at 84-92.) The small decode launches (prefetch_kv) have too few programs for
+    that to matter, and each row chunk of their merge is one more L2 round trip on the
+    step's critical path: 64 there."""
+    num_splits = launch.num_splits
+    budget = (64 if launch.prefetch_kv else 32) * 32 * launch.num_warps  # float32 values
     return max(1, min(block_m, budget // (num_splits * head_dim)))
 
 
@@ -469,7 +476,7 @@ def paged_attention(
         NUM_Q_PER_KV=num_q_per_kv, GROUP_PAD=group_pad,
         BLOCK_Q=launch.block_q, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        MERGE_ROWS=_merge_rows(block_m, splits, head_dim, launch.num_warps),
+        MERGE_ROWS=_merge_rows(block_m, head_dim, launch),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
         PREFETCH_KV=launch.prefetch_kv,
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl,

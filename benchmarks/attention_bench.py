@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -100,8 +101,6 @@ def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
     least partition length, then per batch the best cell next to the chosen launch."""
     import random
 
-    from models.kernels.paged_attention import AttentionLaunch
-
     rng = random.Random(0)
     print(f"{'batch':>6}{'contexts':>12}{'min len':>8}" + "".join(f"{f'S={s}':>9}"
                                                               for s in SPLITS))
@@ -116,9 +115,10 @@ def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
                 for splits in SPLITS:
                     if splits == 1 and min_len:
                         continue  # unsplit launches ignore the length
-                    cells[splits, min_len] = tb_per_s(AttentionLaunch(
-                        base.block_q, base.block_n, splits, base.num_warps, base.num_stages,
-                        min_len))
+                    # The chosen launch with only the split rule changed (its warps and
+                    # K/V prefetch kept: they go with the small decode launches).
+                    cells[splits, min_len] = tb_per_s(
+                        replace(base, num_splits=splits, min_split_len=min_len))
                 print(f"{batch:>6}{ctx_name:>12}{min_len:>8}" + "".join(
                     f"{cells[s, min_len]:>8.2f}T" if (s, min_len) in cells else f"{'':>9}"
                     for s in SPLITS))
@@ -142,8 +142,6 @@ def sweep_tiles(layout: Layout, block_size: int, dtype: torch.dtype,
     its tile choice; prints the best tiles per batch and the chosen launch's figure."""
     import random
 
-    from models.kernels.paged_attention import AttentionLaunch
-
     rng = random.Random(0)
     for batch in (8, 32, 64, 96, 128, 192, 256):
         base, tb_per_s = _decode_case([(rng.randint(100, 2048) - 1, 1) for _ in range(batch)],
@@ -153,8 +151,8 @@ def sweep_tiles(layout: Layout, block_size: int, dtype: torch.dtype,
             if num_stages not in stages:
                 continue
             try:
-                launch = AttentionLaunch(base.block_q, block_n, base.num_splits, warps, num_stages,
-                                         base.min_split_len)
+                launch = replace(base, block_n=block_n, num_warps=warps,
+                                 num_stages=num_stages)
                 results.append((tb_per_s(launch), f"n{block_n} w{warps} s{num_stages}"))
             except Exception as exc:  # out of shared memory etc.: skip the tile
                 print(f"  b={batch} n{block_n} w{warps} s{num_stages}: {type(exc).__name__}")

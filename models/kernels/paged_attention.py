@@ -343,7 +343,7 @@ def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype,
         num_splits=num_splits,
         # The small decode launches (prefetch_kv) take 8 warps so that their split merge,
         # one L2 round trip per row chunk, takes a whole GQA group at once (4 chunks of one
-        # row before: Qwen3-8B batch 1, TP=4, attention 9.3 -> 6.4 us a layer on the
+        # row before: Qwen3-8B batch 1, TP=4, attention 9.4 -> 6.4 us a layer on the
         # step's critical path, decode 477 -> 523 tok/s; `bench offline --single`, H200).
         num_warps=8 if block_q * group_pad > 64 or prefetch_kv else 4,
         min_split_len=min_split_len,

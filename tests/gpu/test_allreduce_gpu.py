@@ -13,7 +13,12 @@ import torch.distributed as dist
 
 from benchmarks.allreduce_bench import launch
 from models.layers.layernorm import add_rms_norm
-from models.parallel import init_fast_all_reduce, tp_all_reduce, tp_all_reduce_add_rms_norm
+from models.parallel import (
+    init_fast_all_reduce,
+    tp_all_gather_last_dim,
+    tp_all_reduce,
+    tp_all_reduce_add_rms_norm,
+)
 from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.timeout(300)
@@ -200,15 +205,38 @@ def _fused_cases(device: torch.device, rank: int) -> None:
                      f"eager {rows} rows after replay {step}")
 
 
+def _gather_cases(device: torch.device, rank: int, tag: str) -> None:
+    """tp_all_gather_last_dim equals NCCL's all-gather bit for bit: through the fast path
+    (a sum of zero-padded copies) where it fits, through NCCL where it does not."""
+    world = dist.get_world_size()
+    cases = {  # name: (shape of this rank's part, dtype)
+        "logits b=1 (Qwen3 vocab)": ((1, 151936 // world), torch.bfloat16),
+        "logits b=3 float32": ((3, 4096), torch.float32),
+        "over the buffer (NCCL)": ((64, 65536), torch.bfloat16),
+        "float16 (NCCL)": ((2, 1024), torch.float16),
+    }
+    for i, (name, (shape, dtype)) in enumerate(cases.items()):
+        x = _random(shape, dtype, device, seed=700 + 10 * i + rank)
+        x[0, :3] = torch.tensor([float("inf"), float("-inf"), -0.0])  # kept through the sum
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
+        got = tp_all_gather_last_dim(x)
+        want = torch.cat(parts, dim=-1)
+        assert got.shape == want.shape and got.dtype == dtype, f"{tag} {name}"
+        assert torch.equal(got, want), f"{tag} {name}: differs from NCCL's all-gather"
+
+
 def _rank(rank: int, world_size: int) -> None:
     device = torch.device("cuda", rank)
     # Default: one-shot for everything up to 8 MiB on two ranks (512 KiB on four).
     assert init_fast_all_reduce(device), "the fast path did not start (see the warning)"
     _fused_cases(device, rank)
+    _gather_cases(device, rank, "one-shot")
     _eager_cases(device, rank, "one-shot")
     _graph_case(device, rank, "one-shot")
     # Two-shot for every size: a second buffer and rendezvous in the same processes.
     assert init_fast_all_reduce(device, one_shot_max_bytes=0)
+    _gather_cases(device, rank, "two-shot")
     _eager_cases(device, rank, "two-shot")
     _graph_case(device, rank, "two-shot")
     # A small buffer: the 512 KiB message of the graph goes to NCCL, inside the graph too.

@@ -15,6 +15,7 @@ import argparse
 import os
 import statistics
 
+import numpy as np
 import torch
 
 
@@ -46,7 +47,6 @@ def main() -> None:
     args = p.parse_args()
     from benchmarks.model_configs import resolve_model
     from engine_service import LLM
-    from models.attention_metadata import make_attention_metadata
 
     model_dir, preset = resolve_model(args.model)
     batches = [int(b) for b in args.batch.split(",")]
@@ -63,13 +63,13 @@ def main() -> None:
         assert batch * blocks_per_seq <= runner.num_kv_blocks, "context too long for the cache"
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                   for i in range(batch)]
-        meta = make_attention_metadata([1] * batch, [args.context] * batch, tables, block_size,
-                                       runner.device)
-        input_ids = torch.zeros(batch, dtype=torch.long, device=runner.device)
-        positions = torch.full((batch,), args.context - 1, dtype=torch.long,
-                               device=runner.device)
-        graphs.run(input_ids, positions, meta)  # fills the static inputs, replays once
-        graph = graphs.graphs[next(b for b in graphs.batch_sizes if b >= batch)]
+        pos = args.context - 1
+        slots = [t[pos // block_size] * block_size + pos % block_size for t in tables]
+        graphs.inputs.stage(graphs.padded_size(batch), [0] * batch,
+                            [graphs.max_bs + i for i in range(batch)], [pos] * batch, slots,
+                            [args.context] * batch, np.array(tables, dtype=np.int32))
+        graphs.replay(batch)
+        graph = graphs.graphs[graphs.padded_size(batch)]
         single, streamed = _time_replays(graph, args.replays)
         print(f"decode graph: batch {batch}, context {args.context}, NANOSERVE_PDL={pdl}: "
               f"{single:.1f} us a replay (median of 20), {streamed:.1f} us a replay over "

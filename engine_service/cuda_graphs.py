@@ -2,15 +2,22 @@
 
 A decode step launches a few hundred small kernels; replaying them as one graph removes
 the launch overhead that otherwise dominates small batches. One graph per batch size in
-`graph_batch_sizes`, all sharing one memory pool, fed through static input buffers. A batch
-of n rows replays the smallest graph of >= n rows; padded rows store nothing (slot -1)
-and their outputs are dropped.
+`graph_batch_sizes`, all sharing one memory pool. A batch of n rows replays the smallest
+graph of >= n rows; padded rows store nothing (slot -1) and their outputs are dropped.
+
+The graphs read their per-step inputs from `DecodeInputs`: views of one device buffer that
+one host->device copy fills per step (at batch 1 the separate copies, fills and slot
+arithmetic they replace cost more host time than the rest of the step's launches). A row's
+input token may still be pending on the device (sampled by the previous step, async
+scheduling); the graph takes it from the `sampled` region of the same buffer, which the
+runner fills with every step's sampled tokens.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from models.attention_metadata import AttentionMetadata
@@ -23,64 +30,135 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [min(max_num_seqs, 512)]
 
 
+class DecodeInputs:
+    """The graphs' static inputs as views of one device buffer, and two pinned host twins.
+
+    int64 regions of max_bs entries: `sampled` (written on the device only), `input_ids`,
+    `token_index`, `positions`, `slot_mapping`; then int32 `seq_lens` [max_bs] and
+    `block_tables` [max_bs, max_blocks]. The graph gathers its input tokens as
+    `sampled|input_ids`[token_index]: row i reads input_ids[i] (index max_bs + i) or a
+    pending token from sampled[r]. A step copies the host bytes from `input_ids` to the end
+    of its last block-table row, so the device-written `sampled` region is never touched.
+    The host twins alternate, so a step never overwrites bytes the device may still be
+    copying from the step before; an event per twin makes that certain."""
+
+    INT64 = ("sampled", "input_ids", "token_index", "positions", "slot_mapping")
+
+    def __init__(self, max_bs: int, max_blocks: int, device: torch.device) -> None:
+        self.max_bs, self.max_blocks = max_bs, max_blocks
+        self.nbytes = (len(self.INT64) * 8 + 4 + 4 * max_blocks) * max_bs
+        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.dev = self._views(self.buffer)
+        self.dev["slot_mapping"].fill_(-1)
+        self.dev["seq_lens"].fill_(1)
+        pin = device.type == "cuda"
+        self._hosts = [torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+                       for _ in range(2)]
+        self._host_views = [{k: v.numpy() for k, v in self._views(h).items()}
+                            for h in self._hosts]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+        self._first = 8 * max_bs  # host bytes start at input_ids
+        self._tables = (len(self.INT64) * 8 + 4) * max_bs  # offset of block_tables
+
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, views, off = self.max_bs, {}, 0
+        for name in self.INT64:
+            views[name] = buf[off:off + 8 * n].view(torch.int64)  # [max_bs]
+            off += 8 * n
+        views["seq_lens"] = buf[off:off + 4 * n].view(torch.int32)  # [max_bs]
+        off += 4 * n
+        views["block_tables"] = buf[off:].view(torch.int32).view(n, self.max_blocks)
+        return views
+
+    def stage(self, padded_to: int, input_ids: list[int], token_index: list[int],
+              positions: list[int], slot_mapping: list[int], seq_lens: list[int],
+              block_tables: np.ndarray) -> None:
+        """Queue one copy of a batch of n rows, padded to the graph of `padded_to` rows:
+        padding rows store nothing (slot -1) over a one-token context."""
+        n, width = block_tables.shape
+        i, self._next = self._next, self._next ^ 1
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # the copy two steps back; long done in practice
+        h = self._host_views[i]
+        h["input_ids"][:n] = input_ids
+        h["token_index"][:n] = token_index
+        h["token_index"][n:padded_to] = self.max_bs  # any valid index: the row is dropped
+        h["positions"][:n] = positions
+        h["positions"][n:padded_to] = 0
+        h["slot_mapping"][:n] = slot_mapping
+        h["slot_mapping"][n:padded_to] = -1
+        h["seq_lens"][:n] = seq_lens
+        h["seq_lens"][n:padded_to] = 1
+        h["block_tables"][:n, :width] = block_tables
+        # Padding rows keep the block ids of earlier steps (or zeros): real blocks, and a
+        # one-token context reads only its first one.
+        end = self._tables + 4 * self.max_blocks * n
+        self.buffer[self._first:end].copy_(self._hosts[i][self._first:end], non_blocking=True)
+        if self.buffer.is_cuda:
+            self._copied[i] = torch.cuda.Event()
+            self._copied[i].record()
+
+
 class CudaGraphRunner:
-    def __init__(self, runner) -> None:
+    """Decode graphs over `DecodeInputs`. With `capture=False` the same static-buffer forward
+    runs eagerly instead of from graphs (how CPU tests check the staging)."""
+
+    def __init__(self, runner, capture: bool = True) -> None:
         self.model = runner.model
         cfg = runner.config
-        dev = runner.device
         self.batch_sizes = graph_batch_sizes(cfg.max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
         self.max_seq_len = cfg.max_model_len
-        max_blocks = cfg.max_blocks_per_seq
+        self.inputs = DecodeInputs(self.max_bs, cfg.max_blocks_per_seq, runner.device)
         hidden = runner.model_config.hidden_size
-        # Static buffers every graph reads from / writes to.
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=dev)
-        self.output = torch.zeros(self.max_bs, hidden, dtype=runner.dtype, device=dev)
+        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32,
+                                         device=runner.device)
+        self.output = torch.zeros(self.max_bs, hidden, dtype=runner.dtype, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture()
+        if capture:
+            self._capture()
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
+    @property
+    def sampled(self) -> torch.Tensor:
+        """[max_bs] int64: the last step's sampled tokens, where pending inputs come from."""
+        return self.inputs.dev["sampled"]
+
+    def _forward(self, bs: int) -> None:
+        v = self.inputs.dev
+        meta = AttentionMetadata(
+            slot_mapping=v["slot_mapping"][:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+            seq_lens=v["seq_lens"][:bs], block_tables=v["block_tables"][:bs],
             max_query_len=1, max_seq_len=self.max_seq_len, seq_lens_cpu=None,
             cu_seqlens_q_cpu=None, decode_only=True)
+        # sampled | input_ids are adjacent: one gather picks each row's token.
+        candidates = self.inputs.buffer[:16 * self.max_bs].view(torch.int64)  # [2 * max_bs]
+        input_ids = candidates[v["token_index"][:bs]]  # [bs]
+        self.output[:bs] = self.model(input_ids, v["positions"][:bs], meta)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
         for bs in reversed(self.batch_sizes):  # largest first, so the pool fits all
-            meta = self._meta(bs)
-            # Warm-up outside the graph: Triton compiles and autotunes here.
-            self.output[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+            self._forward(bs)  # warm-up outside the graph: Triton compiles and autotunes here
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.output[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                self._forward(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.decode_only and meta.slot_mapping.shape[0] <= self.max_bs
+    def padded_size(self, n: int) -> int:
+        """The graph batch size a batch of n rows replays (n <= max_bs)."""
+        return next(b for b in self.batch_sizes if b >= n)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        n = input_ids.shape[0]
-        bs = next(b for b in self.batch_sizes if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.graphs[bs].replay()
+    def replay(self, n: int) -> torch.Tensor:
+        """The forward of the n staged rows: hidden states [n, hidden]."""
+        bs = self.padded_size(n)
+        if self.graphs:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
         return self.output[:n]

@@ -357,6 +357,48 @@ class ModelRunner:
         return (ids, to_device(positions, torch.long, dev), meta,
                 to_device(logits_indices, torch.long, dev))
 
+    def can_replay(self, batch: list[ScheduledSeq]) -> bool:
+        """A decode-only batch the CUDA graphs cover."""
+        return (self.graph_runner is not None and len(batch) <= self.graph_runner.max_bs
+                and all(item.num_new_tokens == 1 for item in batch))
+
+    def prepare_decode(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Stage a decode-only batch into the graphs' inputs (one host->device copy);
+        returns logits_indices [num_rows], or None when every row samples.
+
+        Each row's one query token is at position `start`; its slot and the context length
+        follow from that on the host, which for a handful of rows is cheaper than launching
+        the device arithmetic prepare_inputs uses for large batches."""
+        block_size = self.block_size
+        input_ids: list[int] = []
+        token_index: list[int] = []  # into sampled | input_ids (see DecodeInputs)
+        positions: list[int] = []
+        slots: list[int] = []
+        max_bs = self.graph_runner.max_bs
+        for i, item in enumerate(batch):
+            seq, pos = item.seq, item.start
+            if pos < len(seq.token_ids):
+                input_ids.append(seq.token_ids[pos])
+                token_index.append(max_bs + i)
+            else:
+                row = self._prev_sample_rows.get(seq.seq_id)
+                if row is None or pos != len(seq.token_ids):
+                    raise RuntimeError(f"{seq.seq_id!r}: input token {pos} is neither on the "
+                                       f"host nor sampled by the previous step")
+                input_ids.append(0)
+                token_index.append(row)
+            positions.append(pos)
+            slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        tables = [item.seq.block_table for item in batch]
+        width = max(map(len, tables))
+        self.graph_runner.inputs.stage(
+            self.graph_runner.padded_size(len(batch)), input_ids, token_index, positions,
+            slots, [p + 1 for p in positions], self._table_cache.pack(tables, width, 0))
+        if all(item.sample for item in batch):
+            return None
+        return to_device([i for i, item in enumerate(batch) if item.sample], torch.long,
+                         self.device)
+
     def prepare_sampling(self, rows: list[ScheduledSeq], eos_token_ids: list[int]
                          ) -> SamplingTensors:
         params: list = []
@@ -396,16 +438,21 @@ class ModelRunner:
         """Forward one batch; logits of its sampling rows [num_rows, vocab], or None. Every
         tensor-parallel rank runs this on the same batch, so the collectives line up.
         `start` is recorded once the inputs are built: the device's part begins there."""
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(batch)
-        if start is not None:
-            start.record()
-        if self.graph_runner is not None and self.graph_runner.can_run(meta):
-            hidden = self.graph_runner.run(input_ids, positions, meta)
+        if self.can_replay(batch):
+            logits_indices = self.prepare_decode(batch)
+            if start is not None:
+                start.record()
+            hidden = self.graph_runner.replay(len(batch))
         else:
+            input_ids, positions, meta, logits_indices = self.prepare_inputs(batch)
+            if start is not None:
+                start.record()
             hidden = self.model(input_ids, positions, meta)
-        if logits_indices.shape[0] == 0:
-            return None
-        return self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
+        if logits_indices is not None:
+            if logits_indices.shape[0] == 0:
+                return None
+            hidden = hidden[logits_indices]
+        return self.model.compute_logits(hidden)  # [num_rows, vocab]
 
     def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
         """Run one step and wait for its tokens (returned with `.result()`)."""
@@ -444,10 +491,19 @@ class ModelRunner:
         rows = [item for item in batch if item.sample]
         sampled = None
         if rows:
-            sampled = torch.empty(len(rows), dtype=torch.long, device=self.device)
+            if self.graph_runner is not None:  # straight into where the graphs read it
+                sampled = self.graph_runner.sampled[:len(rows)]
+            else:
+                sampled = torch.empty(len(rows), dtype=torch.long, device=self.device)
             dist.broadcast(sampled, src=0)
         self._remember_sampled(rows, sampled)
 
     def _remember_sampled(self, rows: list[ScheduledSeq], sampled: torch.Tensor | None) -> None:
-        self._prev_sampled = sampled  # [num_rows] int64, inputs of the next step
+        """Keep a step's sampled tokens [num_rows] int64 on the device: the next step's
+        pending input tokens (eager steps index this tensor, graphs the static copy)."""
+        self._prev_sampled = sampled
         self._prev_sample_rows = {item.seq.seq_id: r for r, item in enumerate(rows)}
+        static = self.graph_runner.sampled if self.graph_runner is not None else None
+        if sampled is not None and static is not None and \
+                sampled.data_ptr() != static.data_ptr():
+            static[:len(rows)].copy_(sampled)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from engine_service import LLM, SamplingParams
+from engine_service.cuda_graphs import CudaGraphRunner, DecodeInputs
 from tests.helpers import greedy as ignore_eos_greedy
 from tests.helpers import hf_greedy, random_prompts, shared_prefix_prompts, spy_preemptions
 
@@ -252,3 +255,66 @@ def test_start_up_objects_are_frozen_out_of_the_collector(tiny_model_dir):
         assert gc.get_freeze_count() > 1000
     finally:
         llm.engine.shutdown()
+
+
+# ---------------------------------------------------------------- decode staged for graphs
+
+
+def _stage_decodes(llm: LLM) -> list[int]:
+    """Run decode-only steps through the CUDA-graph path's staged inputs and static-buffer
+    forward, replayed eagerly (CPU); returns the batch sizes it replayed."""
+    runner = llm.engine.model_runner
+    runner.graph_runner = CudaGraphRunner(runner, capture=False)
+    replayed: list[int] = []
+    original = runner.graph_runner.replay
+
+    def spy(n: int):
+        replayed.append(n)
+        return original(n)
+
+    runner.graph_runner.replay = spy
+    return replayed
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_from_staged_graph_inputs_matches_transformers(tiny_model_dir, reference, vocab,
+                                                              block_size):
+    """Every decode step reads one staged buffer: tokens pending on the device, slots,
+    padding to the graph's batch size (3 rows replay the 4-row graph), new blocks."""
+    prompts = make_prompts(7, vocab, seed=20 + block_size)
+    llm = make_llm(tiny_model_dir, kv_block_size=block_size, num_kv_blocks=1024 // block_size,
+                   max_num_seqs=3)
+    replayed = _stage_decodes(llm)
+    check_against_hf(llm, prompts, reference)
+    assert 3 in replayed and 1 in replayed, replayed
+
+
+def test_staged_decode_under_preemption_and_chunks(tiny_model_dir, reference, vocab):
+    prompts = make_prompts(8, vocab, seed=7, min_len=20, max_len=40)
+    llm = make_llm(tiny_model_dir, kv_block_size=4, num_kv_blocks=24, max_model_len=96,
+                   max_num_batched_tokens=16)
+    preempted = spy_preemptions(llm)
+    replayed = _stage_decodes(llm)
+    check_against_hf(llm, prompts, reference)
+    assert preempted and replayed
+
+
+def test_decode_inputs_stage_layout():
+    """One copy fills the host-written regions and pads the rest of the graph batch; the
+    device-written `sampled` region is left as it was."""
+    inputs = DecodeInputs(max_bs=8, max_blocks=5, device=torch.device("cpu"))
+    v = inputs.dev
+    v["sampled"].copy_(torch.arange(100, 108))
+    v["block_tables"].fill_(7)
+    tables = np.array([[3, 4], [5, 6], [9, 0]], dtype=np.int32)
+    inputs.stage(4, [11, 0, 13], [8, 1, 10], [5, 6, 7], [21, 22, -1], [6, 7, 8], tables)
+    assert v["sampled"].tolist() == list(range(100, 108))
+    assert v["input_ids"][:3].tolist() == [11, 0, 13]
+    assert v["token_index"][:4].tolist() == [8, 1, 10, 8]
+    assert v["positions"][:4].tolist() == [5, 6, 7, 0]
+    assert v["slot_mapping"][:4].tolist() == [21, 22, -1, -1]
+    assert v["seq_lens"][:4].tolist() == [6, 7, 8, 1]
+    assert v["block_tables"][:3, :2].tolist() == tables.tolist()
+    assert v["block_tables"][3:].unique().tolist() == [7]  # padding rows: old ids, not copied
+    candidates = inputs.buffer[:16 * 8].view(torch.int64)
+    assert candidates[v["token_index"][:3]].tolist() == [11, 101, 13]

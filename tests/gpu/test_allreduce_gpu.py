@@ -1,7 +1,8 @@
 """The symmetric-memory all-reduce of `models.parallel` on two and on four GPUs:
 `tp_all_reduce` with the fast path on sums random inputs like NCCL and like the float32 sum
 of every rank's input (gathered), eagerly and from a CUDA graph replayed with new inputs;
-with one-shot and with two-shot; for aligned, offset and strided tensors; and what it does
+with one-shot and with two-shot; for aligned, offset and strided tensors; the logits
+all-gather built on it equals NCCL's bit for bit; and what it does
 not cover (too large, float16, odd sizes) still sums right through NCCL. The fused
 all-reduce + add + RMSNorm kernel matches the unfused path, with ranks bit-identical."""
 

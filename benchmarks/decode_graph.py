@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 
-import numpy as np
 import torch
 
 
@@ -47,6 +46,8 @@ def main() -> None:
     args = p.parse_args()
     from benchmarks.model_configs import resolve_model
     from engine_service import LLM
+    from engine_service.scheduler import ScheduledSeq
+    from engine_service.tp_worker import MirrorSeq
 
     model_dir, preset = resolve_model(args.model)
     batches = [int(b) for b in args.batch.split(",")]
@@ -63,11 +64,10 @@ def main() -> None:
         assert batch * blocks_per_seq <= runner.num_kv_blocks, "context too long for the cache"
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                   for i in range(batch)]
-        pos = args.context - 1
-        slots = [t[pos // block_size] * block_size + pos % block_size for t in tables]
-        graphs.inputs.stage(graphs.padded_size(batch), [0] * batch,
-                            [graphs.max_bs + i for i in range(batch)], [pos] * batch, slots,
-                            [args.context] * batch, np.array(tables, dtype=np.int32))
+        # Decode rows at the last position of each context, staged as the engine stages them.
+        rows = [ScheduledSeq(MirrorSeq(i, [0] * args.context, args.context - 1, table), 1,
+                             True, args.context - 1) for i, table in enumerate(tables)]
+        runner.prepare_decode(rows)
         graphs.replay(batch)
         graph = graphs.graphs[graphs.padded_size(batch)]
         single, streamed = _time_replays(graph, args.replays)

@@ -334,11 +334,8 @@ class ModelRunner:
             known = min(end, len(seq.token_ids))
             input_ids.extend(seq.token_ids[start:known])
             if known < end:
-                if end - known != 1 or seq.seq_id not in self._prev_sample_rows:
-                    raise RuntimeError(f"{seq.seq_id!r}: input token {known} is neither on "
-                                       f"the host nor sampled by the previous step")
                 pending_dst.append(len(input_ids))
-                pending_src.append(self._prev_sample_rows[seq.seq_id])
+                pending_src.append(self._pending_row(seq, known, end))
                 input_ids.append(0)
             positions.extend(range(start, end))
             if item.sample:
@@ -357,6 +354,15 @@ class ModelRunner:
         return (ids, to_device(positions, torch.long, dev), meta,
                 to_device(logits_indices, torch.long, dev))
 
+    def _pending_row(self, seq, known: int, end: int) -> int:
+        """The row of the previous step's sampled tokens that holds `seq`'s input token
+        `known`, the last of the step (tokens [known, end) are not on the host)."""
+        row = self._prev_sample_rows.get(seq.seq_id)
+        if end - known != 1 or row is None:
+            raise RuntimeError(f"{seq.seq_id!r}: input token {known} is neither on the host "
+                               f"nor sampled by the previous step")
+        return row
+
     def can_replay(self, batch: list[ScheduledSeq]) -> bool:
         """A decode-only batch the CUDA graphs cover."""
         return (self.graph_runner is not None and len(batch) <= self.graph_runner.max_bs
@@ -366,9 +372,9 @@ class ModelRunner:
         """Stage a decode-only batch into the graphs' inputs (one host->device copy);
         returns logits_indices [num_rows], or None when every row samples.
 
-        Each row's one query token is at position `start`; its slot and the context length
-        follow from that on the host, which for a handful of rows is cheaper than launching
-        the device arithmetic prepare_inputs uses for large batches."""
+        Each row's one query token is at position `start`; its slot follows from that on
+        the host, which for a handful of rows is cheaper than launching the device
+        arithmetic prepare_inputs uses for large batches."""
         block_size = self.block_size
         input_ids: list[int] = []
         token_index: list[int] = []  # into sampled | input_ids (see DecodeInputs)
@@ -381,19 +387,15 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[pos])
                 token_index.append(max_bs + i)
             else:
-                row = self._prev_sample_rows.get(seq.seq_id)
-                if row is None or pos != len(seq.token_ids):
-                    raise RuntimeError(f"{seq.seq_id!r}: input token {pos} is neither on the "
-                                       f"host nor sampled by the previous step")
                 input_ids.append(0)
-                token_index.append(row)
+                token_index.append(self._pending_row(seq, len(seq.token_ids), pos + 1))
             positions.append(pos)
             slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
         tables = [item.seq.block_table for item in batch]
         width = max(map(len, tables))
         self.graph_runner.inputs.stage(
             self.graph_runner.padded_size(len(batch)), input_ids, token_index, positions,
-            slots, [p + 1 for p in positions], self._table_cache.pack(tables, width, 0))
+            slots, self._table_cache.pack(tables, width, 0))
         if all(item.sample for item in batch):
             return None
         return to_device([i for i, item in enumerate(batch) if item.sample], torch.long,

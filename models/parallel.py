@@ -90,17 +90,6 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def tp_gather_last_dim(x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
-    """Like `tp_all_gather_last_dim`, but only rank `dst` receives the result (others: None)."""
-    size = get_tp_size()
-    if size == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)] if get_tp_rank() == dst else None
-    dist.gather(x, parts, dst=dst)
-    return torch.cat(parts, dim=-1) if parts is not None else None
-
-
 def weight_shape(loaded: WeightSource) -> tuple[int, ...]:
     if isinstance(loaded, torch.Tensor):
         return tuple(loaded.shape)

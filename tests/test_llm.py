@@ -307,7 +307,7 @@ def test_decode_inputs_stage_layout():
     v["sampled"].copy_(torch.arange(100, 108))
     v["block_tables"].fill_(7)
     tables = np.array([[3, 4], [5, 6], [9, 0]], dtype=np.int32)
-    inputs.stage(4, [11, 0, 13], [8, 1, 10], [5, 6, 7], [21, 22, -1], [6, 7, 8], tables)
+    inputs.stage(4, [11, 0, 13], [8, 1, 10], [5, 6, 7], [21, 22, -1], tables)
     assert v["sampled"].tolist() == list(range(100, 108))
     assert v["input_ids"][:3].tolist() == [11, 0, 13]
     assert v["token_index"][:4].tolist() == [8, 1, 10, 8]
@@ -316,5 +316,4 @@ def test_decode_inputs_stage_layout():
     assert v["seq_lens"][:4].tolist() == [6, 7, 8, 1]
     assert v["block_tables"][:3, :2].tolist() == tables.tolist()
     assert v["block_tables"][3:].unique().tolist() == [7]  # padding rows: old ids, not copied
-    candidates = inputs.buffer[:16 * 8].view(torch.int64)
-    assert candidates[v["token_index"][:3]].tolist() == [11, 101, 13]
+    assert inputs.token_candidates[v["token_index"][:3]].tolist() == [11, 101, 13]

@@ -218,7 +218,9 @@ def _gather_cases(device: torch.device, rank: int, tag: str) -> None:
     }
     for i, (name, (shape, dtype)) in enumerate(cases.items()):
         x = _random(shape, dtype, device, seed=700 + 10 * i + rank)
-        x[0, :3] = torch.tensor([float("inf"), float("-inf"), -0.0])  # kept through the sum
+        # inf and -inf come through the sum as they are; -0.0 may come back +0.0, which
+        # torch.equal (like every comparison) takes as equal.
+        x[0, :3] = torch.tensor([float("inf"), float("-inf"), -0.0])
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x)
         got = tp_all_gather_last_dim(x)

@@ -14,8 +14,11 @@ its peers' buffer over NVLink and one kernel sums them, without NCCL's per-call 
 overhead (`python -m benchmarks.allreduce_bench` measures both). Anything it does not
 cover, or any failure to set it up, goes to NCCL. `tp_all_reduce_add_rms_norm` goes one
 step further for the decoder layer's epilogue: the sum, the residual add and the RMSNorm
-in one kernel without any barrier (models/kernels/all_reduce_norm.py). NVLink multicast
-(NVLS) is never used: it can take a shared host's GPUs out of service.
+in one kernel without any barrier (models/kernels/all_reduce_norm.py). `tp_argmax` is the
+vocab-parallel sampler's exchange: every rank's best (value, index) candidates of each row
+reduced to one index, identical on every rank (models/kernels/tp_argmax.py on the fast
+path). NVLink multicast (NVLS) is never used: it can take a shared host's GPUs out of
+service.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ logger = logging.getLogger(__name__)
 
 # A torch.Tensor or a safetensors PySafeSlice (lazy: indexing it reads from disk).
 WeightSource = Any
+
+# An index no candidate ever holds: "no value above -inf seen" (all -inf / NaN, or an empty
+# vocab chunk). A plain int so this module imports without triton; the sampling kernels use
+# it as a constexpr.
+NO_INDEX = 2**31 - 1
 
 
 def _initialized() -> bool:
@@ -63,10 +71,12 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                               eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
+                               weight: torch.Tensor, eps: float
+                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual) in one fused
-    kernel when the symmetric-memory fast path covers x; None otherwise (the caller then
+    kernel when the symmetric-memory fast path covers x (no residual: of the sum alone,
+    for the first layer); None otherwise (the caller then
     all-reduces and normalizes on its own). The answer depends only on what every rank
     shares (shape, dtype, the fast path being on), so all ranks take the same branch."""
     if get_tp_size() > 1 and _FAST.impl is not None:
@@ -88,6 +98,53 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x)
     return torch.cat(parts, dim=-1)
+
+
+def _argmax_pairs(values: torch.Tensor, indices: torch.Tensor, dim: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce (value, index) pairs along `dim`: the largest value wins, the lowest index
+    among equal values; NaN, -inf and NO_INDEX pairs never win, and a slice with nothing
+    else gives (-inf, NO_INDEX). Exact (max and min only), so the order of the pairs along
+    `dim` never matters."""
+    ok = (values > float("-inf")) & (indices != NO_INDEX)  # NaN > -inf is False
+    values = torch.where(ok, values, float("-inf"))
+    top = values.amax(dim, keepdim=True)
+    index = torch.where(ok & (values == top), indices, NO_INDEX).amin(dim)
+    return top.squeeze(dim), index
+
+
+def tp_argmax(values: torch.Tensor, indices: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Collective: the index of each row's best candidate over every rank's candidates.
+
+    values float32 [B, S], indices int32 [B, S]: this rank's candidates of each row (e.g.
+    the per-chunk winners of its vocab shard, global indices). Returns int64 [B], identical
+    on every rank: the index of the largest value over all ranks' B x S candidates of the
+    row; among equal values the lowest index; NaN never wins; a row with nothing above -inf
+    (all -inf / NaN, or every index NO_INDEX) gives 0 (torch.argmax's answer for an all
+    -inf row). `out` (int64 [B], may be a view into a bigger static buffer) is written when
+    given and returned. Every rank calls it with the same B and S, so all take the same
+    path: the symmetric-memory kernel where it covers the call, else a torch reduction
+    around two all-gathers of [B] (NCCL, gloo). One rank: the same reduction locally."""
+    assert values.dim() == 2 and values.shape == indices.shape, (
+        f"values {tuple(values.shape)} and indices {tuple(indices.shape)} must be [B, S]")
+    num_rows, num_candidates = values.shape
+    assert num_candidates > 0, "every rank needs at least one candidate per row"
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=values.device)
+    if num_rows == 0:
+        return out
+    size = get_tp_size()
+    if size > 1 and _FAST.impl is not None and _FAST.impl.argmax(values, indices, out) is not None:
+        return out
+    value, index = _argmax_pairs(values, indices, dim=1)  # [B] each: this rank's best
+    if size > 1:
+        all_values = [torch.empty_like(value) for _ in range(size)]
+        all_indices = [torch.empty_like(index) for _ in range(size)]
+        dist.all_gather(all_values, value)
+        dist.all_gather(all_indices, index)
+        value, index = _argmax_pairs(torch.stack(all_values), torch.stack(all_indices), dim=0)
+    return out.copy_(index.masked_fill(index == NO_INDEX, 0))
 
 
 def weight_shape(loaded: WeightSource) -> tuple[int, ...]:
@@ -145,6 +202,9 @@ ONE_SHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 FUSED_NORM_MAX_BYTES = 256 * 1024
 FUSED_NORM_ROWS = 1024
 FUSED_NORM_MAX_RANKS = 8
+# The cross-rank argmax kernel (models/kernels/tp_argmax.py) serves up to this many rows; its
+# buffer per rank is one int64 word per (parity, rank, row): 64 KiB at 4 ranks.
+ARGMAX_ROWS = FUSED_NORM_ROWS
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
 _SYMM_MEM_OPS = ("one_shot_all_reduce", "one_shot_all_reduce_copy_out", "two_shot_all_reduce_")
@@ -257,6 +317,13 @@ class SymmMemAllReduce:
         self._fused_handle: Any = None
         self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
         self._data_ptrs: torch.Tensor | None = None
+        # The cross-rank argmax's words, [2 parity][W src][ARGMAX_ROWS], in a buffer of its
+        # own (its layout never changes, so no call of another kernel has to wait for it).
+        self._argmax_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
+            (2 * self.world_size * ARGMAX_ROWS,), (1,), torch.int64, self.device)
+        self._argmax_handle: Any = None
+        self._argmax_epochs = torch.zeros(ARGMAX_ROWS, dtype=torch.int32, device=self.device)
+        self._argmax_ptrs: torch.Tensor | None = None
 
     def rendezvous(self) -> None:
         """Collective: map every peer's buffer, then run each algorithm once on known
@@ -265,6 +332,7 @@ class SymmMemAllReduce:
 
         self._handle = symm_mem.rendezvous(self._buffer, self.group_name)
         self._rendezvous_fused()
+        self._rendezvous_argmax()
         expected = self.world_size * (self.world_size + 1) // 2
         for dtype in FAST_DTYPES:
             numel = min(4096, self.max_bytes // dtype.itemsize)
@@ -305,7 +373,60 @@ class SymmMemAllReduce:
             torch.cuda.synchronize(self.device)
             dist.barrier()
 
-    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+    def _rendezvous_argmax(self) -> None:
+        """Map the cross-rank argmax's buffers, mark every slot empty, and check two calls
+        (both parities) on known values, which also compiles the kernel before any graph
+        capture."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from models.kernels.tp_argmax import fill_empty_words_
+
+        fill_empty_words_(self._argmax_buffer)
+        self._argmax_handle = symm_mem.rendezvous(self._argmax_buffer, self.group_name)
+        ptrs = list(self._argmax_handle.buffer_ptrs)
+        self._argmax_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        torch.cuda.synchronize(self.device)
+        dist.barrier()  # no rank writes into a peer's buffer before it is empty
+        # Row 0: rank r offers S copies of r: the last rank's first candidate wins. Row 1:
+        # every candidate ties; the lowest index is the last rank's first. Row 2: only -inf.
+        world, num = self.world_size, 5
+        cand = torch.arange(num, device=self.device)
+        values = torch.stack([torch.full((num,), float(self.rank), device=self.device),
+                              torch.ones(num, device=self.device),
+                              torch.full((num,), float("-inf"), device=self.device)])
+        indices = torch.stack([self.rank * num + cand,
+                               10 * num + (world - 1 - self.rank) * num + cand,
+                               cand]).to(torch.int32)
+        expected = [(world - 1) * num, 10 * num, 0]
+        out = torch.empty(3, dtype=torch.int64, device=self.device)
+        for call in range(2):
+            got = self.argmax(values, indices, out)
+            if got is None or got.tolist() != expected:
+                raise RuntimeError(f"cross-rank argmax self-check (call {call}): got "
+                                   f"{None if got is None else got.tolist()}, want {expected}")
+
+    def argmax(self, values: torch.Tensor, indices: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor | None:
+        """`tp_argmax` through the symmetric-memory kernel, into `out` (returned), or None
+        where the kernel does not take the call: not CUDA, other dtypes or shapes, more rows
+        than ARGMAX_ROWS or candidates than a program holds, candidates not contiguous along
+        S. Each condition is the same on every rank (they all pass the same shapes)."""
+        if (self._argmax_ptrs is None or not values.is_cuda or values.dim() != 2
+                or indices.shape != values.shape):
+            return None
+        from models.kernels.tp_argmax import MAX_CANDIDATES, tp_argmax_
+
+        num_rows, num_candidates = values.shape
+        if (values.dtype != torch.float32 or indices.dtype != torch.int32
+                or out.dtype != torch.int64 or out.shape != (num_rows,)
+                or not 0 < num_rows <= ARGMAX_ROWS or not 0 < num_candidates <= MAX_CANDIDATES
+                or (num_candidates > 1 and (values.stride(1) != 1 or indices.stride(1) != 1))):
+            return None
+        return tp_argmax_(values, indices, out, data_ptrs=self._argmax_ptrs,
+                          epochs=self._argmax_epochs, rank=self.rank,
+                          world_size=self.world_size, rows=ARGMAX_ROWS)
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                                 weight: torch.Tensor, eps: float
                                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fused kernel's (normalized, new residual), or None where it does not apply:
@@ -316,7 +437,7 @@ class SymmMemAllReduce:
         if (not self.fused_norm or not x.is_cuda or x.dim() != 2
                 or x.dtype not in FAST_DTYPES
                 or x.numel() * x.element_size() > FUSED_NORM_MAX_BYTES
-                or x.stride(-1) != 1 or residual.stride(-1) != 1
+                or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1)
                 or not 0 < x.shape[0] <= FUSED_NORM_ROWS):
             return None
         return all_reduce_add_rms_norm(
@@ -376,6 +497,9 @@ class SymmMemAllReduce:
         self._fused_handle = None
         self._fused_buffer = None
         self._data_ptrs = None
+        self._argmax_handle = None
+        self._argmax_buffer = None
+        self._argmax_ptrs = None
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The fast all-reduce's CPU-checkable parts: which messages it takes and with which
 algorithm, and its fail-safe set-up (gloo, two ranks): on CPU it stays out of the way; where
-symmetric memory cannot start, every rank logs one warning and sums through the process
-group as before. The sums themselves on GPUs: tests/gpu/test_allreduce_gpu.py."""
+symmetric memory cannot start, every rank logs one warning and sums (and takes the
+cross-rank argmax) through the process group as before. The sums themselves on GPUs:
+tests/gpu/test_allreduce_gpu.py; the argmax's torch path: tests/test_tp_argmax.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ from models.parallel import (
     default_one_shot_max_bytes,
     init_fast_all_reduce,
     tp_all_reduce,
+    tp_argmax,
 )
+from tests.test_tp_argmax import SPECIAL_ROWS, candidates
+from tests.test_tp_argmax import expected as expected_argmax
 
 MiB = 1 << 20
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -103,6 +107,9 @@ def _gloo_rank(rank: int, world_size: int) -> list[str]:
     assert {name: os.environ.get(name) for name in NO_MULTICAST_ENV} == NO_MULTICAST_ENV
     y = torch.full((4,), rank + 1.0, dtype=torch.bfloat16)
     assert torch.all(tp_all_reduce(y) == expected)
+    # So does the cross-rank argmax (the vocab-parallel sampler's exchange).
+    values, indices = candidates(rank, world_size, SPECIAL_ROWS, 4, seed=3)
+    assert tp_argmax(values, indices).tolist() == expected_argmax(world_size, SPECIAL_ROWS, 4, 3)
 
     # The ranks go ahead only together, and only with the same rendezvous history.
     assert _all_ranks_agree(True, 3)

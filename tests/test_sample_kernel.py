@@ -52,7 +52,7 @@ def assert_tokens_match(got: torch.Tensor, ref: torch.Tensor, near: torch.Tensor
 
 
 # "near_ties" runs last: the rows of every check before it count there.
-CHECKS = ["reference", "launches", "edges", "distribution", "sampler", "near_ties"]
+CHECKS = ["reference", "launches", "edges", "distribution", "sampler", "shards", "near_ties"]
 
 
 test_sample_kernel_check_interpreted = interpreted_check_test(__file__, CHECKS)
@@ -195,13 +195,71 @@ def _main() -> None:
         counts["near"] += assert_tokens_match(got, want, near, "sampler masks")
         counts["rows"] += int(unit.sum())
 
+    def check_shards():
+        # Vocab-parallel sampling: each of W shards races its columns with its vocab offset,
+        # and the partials of all shards, reduced by tp_argmax (one process: the local
+        # reduction), give exactly the full row's race_argmax; the partials carry global
+        # indices inside their shard and, for sampled rows, the full row's perturbed values
+        # at those indices (the hash counts global indices).
+        from models.kernels.sample import race_argmax, race_partials
+        from models.layers.sampler import race_perturbed
+        from models.parallel import NO_INDEX, tp_argmax
+
+        vocab = 600
+        for world in (2, 3, 4):
+            shard = vocab // world
+            for num_rows, kind in ((1, "greedy"), (1, "sampled"), (3, "greedy"),
+                                   (3, "sampled"), (3, "mix")):
+                logits, _, seeds, steps = _inputs(num_rows, vocab, gen)
+                # Row 0: the row's max tied across the first shard boundary and at the end.
+                logits[0, [shard - 1, shard, vocab - 1]] = logits[0].amax() + 1.0
+                if num_rows == 3:
+                    # Row 1: a -inf run across a boundary and a whole shard, and the last
+                    # shard all -inf. Row 2: -inf and NaN only (-> 0).
+                    logits[1, shard - 40:2 * shard + 10] = float("-inf")
+                    logits[1, vocab - shard:] = float("-inf")
+                    logits[2] = float("-inf")
+                    logits[2, ::7] = float("nan")
+                temps = {"greedy": torch.zeros(num_rows), "sampled": torch.full((num_rows,), 0.7),
+                         "mix": torch.tensor([0.7, 0.0, 0.7])}[kind]
+                want = race_argmax(logits, temps, seeds, steps, block=64)
+                for splits in (None, 3):
+                    parts = [race_partials(logits[:, r * shard:(r + 1) * shard], temps, seeds,
+                                           steps, vocab_offset=r * shard, num_splits=splits,
+                                           block=64) for r in range(world)]
+                    what = f"W={world} B={num_rows} {kind} splits={splits}"
+                    for r, (val, idx) in enumerate(parts):
+                        assert val.dtype == torch.float32 and idx.dtype == torch.int32, what
+                        empty = idx == NO_INDEX
+                        assert torch.all(val[empty] == float("-inf")), what
+                        inside = (idx >= r * shard) & (idx < (r + 1) * shard)
+                        assert torch.all(inside | empty), (what, r, idx.tolist())
+                        rows = (~empty).nonzero()[:, 0]
+                        at = idx[~empty].long()
+                        greedy = temps[rows] == 0
+                        scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+                        noisy = race_perturbed(scaled, seeds, steps)[rows, at]
+                        ref = torch.where(greedy, logits[rows, at], noisy)
+                        assert torch.allclose(val[~empty], ref, rtol=1e-6, atol=0), (what, r)
+                    got = tp_argmax(torch.cat([v for v, _ in parts], dim=1),
+                                    torch.cat([i for _, i in parts], dim=1))
+                    assert torch.equal(got, want), (what, got.tolist(), want.tolist())
+                    no_nan = torch.where(logits.isnan(), float("-inf"), logits)
+                    ref, near = race_reference(no_nan, temps, seeds, steps)
+                    assert_tokens_match(got, ref, near, what)
+                    if kind == "greedy":
+                        assert got[0].item() == shard - 1, (what, got.tolist())
+                    if num_rows == 3:
+                        assert torch.isfinite(logits[1, got[1]]) and got[2].item() == 0, what
+
     def check_near_ties():
         # Runs last: the rows of every check above count here.
         assert counts["rows"] > 200, counts
         assert counts["near"] < 0.01 * counts["rows"], counts
 
     run_checks(list(zip(CHECKS, [check_reference, check_launches, check_edges,
-                                 check_distribution, check_sampler, check_near_ties],
+                                 check_distribution, check_sampler, check_shards,
+                                 check_near_ties],
                         strict=True)))
 
 

@@ -11,6 +11,17 @@ partial buffer `[B, num_splits]`; `_combine_kernel` reduces each row's partials.
 reduction keeps the lowest index among equal values (torch.argmax semantics), and chunks are
 in vocab order, so the result does not depend on the block size or split count.
 
+Vocab-parallel sampling: a tensor-parallel rank holds the logits of its vocab shard only,
+columns `vocab_offset + c`. `race_partials(..., vocab_offset=...)` hashes the global index and
+stores global indices, so a shard draws exactly the noise the full row would at those
+indices, and reducing every shard's partials with the same tie rule
+(`models.parallel.tp_argmax`) gives `race_argmax` of the full row.
+
+Both kernels use programmatic dependent launch (models/kernels/pdl.py): the partial kernel
+reads its per-row settings, derives the row's hash key and computes its first tile's noise
+(the hash and both logs: at TP=4, batch 1 a program's whole scan) before it waits for the
+logits' kernel.
+
 The scan is ALU-bound, so its arithmetic is as cheap as the draws allow (on NVIDIA; the
 interpreter keeps numpy's log). The hash words and u are bit-identical to the torch path's;
 the floats may differ by a few ulps:
@@ -33,7 +44,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
 from models.layers.sampler import _GAMMA, _MIX1, _MIX2, _SEED_SALT
+from models.parallel import NO_INDEX
 
 _U64 = (1 << 64) - 1
 # The sampler keeps its splitmix64 constants as signed int64; uint64 arithmetic in the kernel
@@ -43,7 +56,7 @@ _MIX1_U = tl.constexpr(_MIX1 & _U64)
 _MIX2_U = tl.constexpr(_MIX2 & _U64)
 _SALT_U = tl.constexpr(_SEED_SALT & _U64)
 # An index no lane ever holds: nothing above -inf seen (-inf / NaN only, or an empty chunk).
-_NO_INDEX = tl.constexpr(2**31 - 1)
+_NO_INDEX = tl.constexpr(NO_INDEX)
 
 # 8 elements a thread at 4 warps: one 16-byte load per thread for bf16, and the uint64 hash
 # chain still fits in registers.
@@ -66,21 +79,39 @@ def _mix64(z):
     return z ^ (z >> 31)
 
 
-@triton.jit(do_not_specialize=["vocab_size", "stride_row", "chunk", "num_splits"])
+@triton.jit
+def _race_noise(counter, LIBDEVICE: tl.constexpr):
+    """log(E) for E = -log(u), u the hash of each lane's counter word: what the race
+    subtracts from x / T."""
+    bits = _mix64(counter)
+    # u = (m + 0.5) / 2**23 for the top 23 bits m, as m * 2**-23 + 2**-24: the same float32
+    # (every step is exact), in one FMA that also shows the compiler u is normal, so
+    # __nv_logf's subnormal / zero fix-ups fold away.
+    u = (bits >> 41).to(tl.float32) * (1.0 / 8388608.0) + (0.5 / 8388608.0)
+    # log_e: the log of an Exp(1) variate. Inner log precise, outer one MUFU.LG2 (see the
+    # top; tl.log is __nv_logf too). The interpreter has no libdevice: numpy's log.
+    return libdevice.fast_logf(-libdevice.log(u)) if LIBDEVICE else tl.log(-tl.log(u))
+
+
+@triton.jit(do_not_specialize=["vocab_size", "vocab_offset", "stride_row", "chunk",
+                               "num_splits"])
 def _race_partial_kernel(
     logits_ptr, temps_ptr, seeds_ptr, steps_ptr, part_val_ptr, part_idx_ptr,
-    vocab_size, stride_row, chunk, num_splits,
-    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    vocab_size, vocab_offset, stride_row, chunk, num_splits,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    # Before the wait: only what no kernel right before this one writes (temperatures, seeds
+    # and steps come from host copies staged before the forward pass) and what follows from
+    # it, so the hash's ALU work overlaps the logits' kernel.
     temp = tl.load(temps_ptr + row)
     # 1/T rounded once per row: a multiply an element instead of div_rn's ~10 instructions
     # (greedy rows never use it; the where keeps 1/0 out of the interpreter).
     inv_temp = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(temp > 0, temp, 1.0))
     seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
     step = tl.load(steps_ptr + row).to(tl.uint64, bitcast=True)
-    # The row's splitmix64 state; the vocab index (plus one) is its counter.
+    # The row's splitmix64 state; the global vocab index (plus one) is its counter.
     key = _mix64(_mix64(seed ^ _SALT_U) + step * _GAMMA_U)
 
     lanes = tl.arange(0, BLOCK)
@@ -89,26 +120,25 @@ def _race_partial_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, vocab_size)
     row_ptr = logits_ptr + row * stride_row
-    # key + (v + 1) * GAMMA for each lane's vocab index v, advanced a tile at a time: one
-    # 64-bit add a tile instead of a 64-bit multiply (the same words, mod 2**64).
-    counter = key + (start + 1 + lanes).to(tl.uint64) * _GAMMA_U  # [BLOCK] uint64
+    # key + (v + 1) * GAMMA for each lane's global vocab index v, advanced a tile at a time:
+    # one 64-bit add a tile instead of a 64-bit multiply (the same words, mod 2**64).
+    counter = key + (vocab_offset + start + 1 + lanes).to(tl.uint64) * _GAMMA_U  # [BLOCK]
     tile_step = tl.full([], BLOCK, tl.uint64) * _GAMMA_U
+    log_e = tl.zeros([BLOCK], tl.float32)  # the noise of the tile the loop reads next
+    if temp > 0:
+        log_e = _race_noise(counter, LIBDEVICE)
+    wait_for_prior_kernel(PDL)
     for tile in range(start, end, BLOCK):
-        offs = tile + lanes  # [BLOCK] int32 vocab indices
+        offs = tile + lanes  # [BLOCK] int32 local column indices
         in_row = offs < end
         x = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32)
         if temp > 0:
-            bits = _mix64(counter)
-            # u = (m + 0.5) / 2**23 for the top 23 bits m, as m * 2**-23 + 2**-24: the same
-            # float32 (every step is exact), in one FMA that also shows the compiler u is
-            # normal, so __nv_logf's subnormal / zero fix-ups fold away.
-            u = (bits >> 41).to(tl.float32) * (1.0 / 8388608.0) + (0.5 / 8388608.0)
-            # log_e: the log of an Exp(1) variate. Inner log precise, outer one MUFU.LG2 (see
-            # the top; tl.log is __nv_logf too). The interpreter has no libdevice: numpy's log.
-            log_e = (libdevice.fast_logf(-libdevice.log(u)) if LIBDEVICE
-                     else tl.log(-tl.log(u)))
-            x = x * inv_temp - log_e
-        counter += tile_step
+            noise = log_e
+            # The next tile's noise while this tile's load is in flight (none past the end).
+            counter += tile_step
+            if tile + BLOCK < end:
+                log_e = _race_noise(counter, LIBDEVICE)
+            x = x * inv_temp - noise
         # Each lane sees increasing indices, so '>' keeps the first of equal values. Entries
         # past the row end load -inf and stay -inf; -inf and NaN never claim a lane.
         better = x > best_val
@@ -117,16 +147,18 @@ def _race_partial_kernel(
 
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, _NO_INDEX), axis=0)
+    idx = tl.where(idx == _NO_INDEX, _NO_INDEX, idx + vocab_offset)  # global
     tl.store(part_val_ptr + row * num_splits + split, top)
     tl.store(part_idx_ptr + row * num_splits + split, idx)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_val_ptr, part_idx_ptr, tokens_ptr, num_splits,
-                    SPLITS_PAD: tl.constexpr):
+                    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     ok = splits < num_splits
+    wait_for_prior_kernel(PDL)  # the partials are the previous kernel's output
     vals = tl.load(part_val_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
     idxs = tl.load(part_idx_ptr + row * num_splits + splits, mask=ok, other=_NO_INDEX)
     top = tl.max(vals, axis=0)
@@ -151,43 +183,74 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter (CPU tensors): a few splits so the combine is exercised
 
 
-def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                steps: torch.Tensor, *, num_splits: int | None = None,
-                block: int = BLOCK) -> torch.Tensor:
-    """One token per row: `race_perturbed(logits / T, seeds, steps).argmax(-1)` for T > 0
-    rows, `logits.argmax(-1)` for T = 0 rows, without materialising anything [B, V].
+def race_partials(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                  steps: torch.Tensor, *, vocab_offset: int = 0, num_splits: int | None = None,
+                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each vocab chunk's race winner: (part_val float32 [B, S], part_idx int32 [B, S]).
 
-    logits: float32/bfloat16/float16 [B, V], any row stride. temperatures: float32 [B]
-    (0 = greedy). seeds, steps: int64 [B]. Returns int64 [B]. No host synchronisation.
-    `num_splits` / `block` override the launch (tests); the tokens never depend on them.
+    logits: float32/bfloat16/float16 [B, V], any row stride, holding the global vocab
+    columns [vocab_offset, vocab_offset + V) (a tensor-parallel rank's shard; 0 for a full
+    row). temperatures: float32 [B] (0 = greedy). seeds, steps: int64 [B]. A partial is the
+    chunk's largest `x / T - log(E)` (T > 0; `x` for greedy rows) and its global index, the
+    lowest among equal values; (-inf, NO_INDEX) where nothing in the chunk is above -inf.
+    Reducing all partials of a row with that rule (`_combine_kernel`, or
+    `models.parallel.tp_argmax` across shards) gives the row's token. No host sync.
+    `num_splits` / `block` override the launch (tests); the reduced token never depends on
+    them. With PDL the kernel reads temperatures, seeds and steps before it waits for the
+    kernel launched right before it: they must not be that kernel's output (host copies,
+    or any kernel before that one, are fine).
     """
     num_rows, vocab_size = logits.shape
     assert temperatures.shape == seeds.shape == steps.shape == (num_rows,), (
         f"per-row tensors must be [{num_rows}], got {tuple(temperatures.shape)}, "
         f"{tuple(seeds.shape)}, {tuple(steps.shape)}")
     assert seeds.dtype == torch.int64 and steps.dtype == torch.int64, "seeds/steps: int64"
-    assert 0 < vocab_size < 2**31 - 1, f"vocab size {vocab_size} out of range"
+    assert 0 <= vocab_offset < vocab_offset + vocab_size < NO_INDEX, (
+        f"vocab columns [{vocab_offset}, {vocab_offset + vocab_size}) out of range")
     assert block & (block - 1) == 0, f"block must be a power of two, got {block}"
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_splits is None:
+        num_splits = choose_splits(num_rows, vocab_size, _num_sms(logits.device), block)
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]"
+    part_val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
     if num_rows == 0:
-        return tokens
+        return part_val, part_idx
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     # Per-row values are read at base + row: make them dense (no-ops for the sampler's).
     temperatures = temperatures.to(torch.float32).contiguous()
     seeds, steps = seeds.contiguous(), steps.contiguous()
-    if num_splits is None:
-        num_splits = choose_splits(num_rows, vocab_size, _num_sms(logits.device), block)
-    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]"
     # Chunks are whole tiles so only the row's last tile is ragged.
     chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block) * block
-    part_val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    pdl = pdl_enabled(logits.device)
     _race_partial_kernel[(num_rows, num_splits)](
         logits, temperatures, seeds, steps, part_val, part_idx,
-        vocab_size, logits.stride(0), chunk, num_splits,
-        BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS,
+        vocab_size, vocab_offset, logits.stride(0), chunk, num_splits,
+        BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret, PDL=pdl,
+        num_warps=NUM_WARPS, launch_pdl=pdl,
     )
+    return part_val, part_idx
+
+
+def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                steps: torch.Tensor, *, vocab_offset: int = 0, num_splits: int | None = None,
+                block: int = BLOCK) -> torch.Tensor:
+    """One token per row: `race_perturbed(logits / T, seeds, steps).argmax(-1)` for T > 0
+    rows, `logits.argmax(-1)` for T = 0 rows, without materialising anything [B, V].
+
+    logits: float32/bfloat16/float16 [B, V], any row stride (global columns from
+    `vocab_offset`: see race_partials). temperatures: float32 [B] (0 = greedy). seeds,
+    steps: int64 [B]. Returns int64 [B] (global indices). No host synchronisation.
+    `num_splits` / `block` override the launch (tests); the tokens never depend on them.
+    """
+    part_val, part_idx = race_partials(logits, temperatures, seeds, steps,
+                                       vocab_offset=vocab_offset, num_splits=num_splits,
+                                       block=block)
+    num_rows, num_splits = part_val.shape
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return tokens
+    pdl = pdl_enabled(logits.device)
     _combine_kernel[(num_rows,)](part_val, part_idx, tokens, num_splits,
-                                 SPLITS_PAD=MAX_SPLITS, num_warps=1)
+                                 SPLITS_PAD=MAX_SPLITS, PDL=pdl, num_warps=1, launch_pdl=pdl)
     return tokens

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine_service.sampling_params import SamplingParams
-from models.kernels.sample import MAX_SPLITS, race_argmax
+from models.kernels.sample import MAX_SPLITS, race_argmax, race_partials
 from models.layers.sampler import Sampler, SamplingTensors, apply_penalties
+from models.parallel import NO_INDEX, tp_argmax
 from tests.test_sample_kernel import assert_tokens_match, race_reference
 
 DEVICE = torch.device("cuda")
@@ -81,6 +82,39 @@ def test_greedy_ties_pick_the_lowest_index() -> None:
     got = race_argmax(logits, torch.zeros(4, device=DEVICE), zeros, zeros)
     assert got.tolist() == [0, 5_000, 5_000, 5_000]
     assert torch.equal(got, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_shards_reduce_to_the_full_row(dtype: torch.dtype, num_rows: int,
+                                             world: int) -> None:
+    """Each TP rank's shard raced with its vocab offset (race_partials), every shard's
+    partials reduced by tp_argmax (one process: the local reduction), is exactly
+    race_argmax on the full row: greedy rows, sampled rows and a mix, with the row's max
+    tied across a shard boundary and a -inf run over a whole shard."""
+    shard = VOCAB // world
+    for rep, kind in enumerate(("greedy", "sampled", "mix")):
+        logits, _, seeds, steps = _inputs(num_rows, dtype, seed=100 * world + 10 * num_rows + rep)
+        logits[0, [shard - 1, shard, VOCAB - 1]] = logits[0].float().amax().to(dtype) + 1
+        if num_rows > 1:
+            logits[1, shard - 1000:2 * shard + 1000] = float("-inf")
+        temps = {"greedy": torch.zeros(num_rows, device=DEVICE),
+                 "sampled": torch.full((num_rows,), 0.7, device=DEVICE),
+                 "mix": torch.tensor([0.7, 0.0, 0.7][:num_rows], device=DEVICE)}[kind]
+        want = race_argmax(logits, temps, seeds, steps)
+        parts = [race_partials(logits[:, r * shard:(r + 1) * shard], temps, seeds, steps,
+                               vocab_offset=r * shard) for r in range(world)]
+        for r, (_, idx) in enumerate(parts):
+            inside = (idx >= r * shard) & (idx < (r + 1) * shard)
+            assert torch.all(inside | (idx == NO_INDEX)), f"shard {r}: indices not global"
+        got = tp_argmax(torch.cat([v for v, _ in parts], dim=1),
+                        torch.cat([i for _, i in parts], dim=1))
+        assert torch.equal(got, want), (kind, got.tolist(), want.tolist())
+        if kind == "greedy":
+            assert got[0].item() == shard - 1
+        if num_rows > 1:
+            assert torch.isfinite(logits[1, got[1]].float())
 
 
 def test_draw_frequencies_match_softmax() -> None:

@@ -46,6 +46,7 @@ def main() -> None:
     args = p.parse_args()
     from benchmarks.model_configs import resolve_model
     from engine_service import LLM
+    from engine_service.sampling_params import SamplingParams
     from engine_service.scheduler import ScheduledSeq
     from engine_service.tp_worker import MirrorSeq
 
@@ -65,8 +66,9 @@ def main() -> None:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                   for i in range(batch)]
         # Decode rows at the last position of each context, staged as the engine stages them.
-        rows = [ScheduledSeq(MirrorSeq(i, [0] * args.context, args.context - 1, table), 1,
-                             True, args.context - 1) for i, table in enumerate(tables)]
+        rows = [ScheduledSeq(MirrorSeq(i, [0] * args.context, args.context - 1, table,
+                                       args.context - 1, SamplingParams(), 0),
+                             1, True, args.context - 1) for i, table in enumerate(tables)]
         runner.prepare_decode(rows)
         graphs.replay(batch)
         graph = graphs.graphs[graphs.padded_size(batch)]

@@ -89,7 +89,7 @@ def stub_model(runner) -> None:
 
     vocab = runner.vocab_size
 
-    def run_model(batch, *_):
+    def run_model(batch, *_, **__):
         runner.prepare_inputs(batch)
         rows = sum(1 for item in batch if item.sample)
         return torch.zeros(rows, vocab) if rows else None

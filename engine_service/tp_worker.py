@@ -3,16 +3,24 @@
 Rank 0 is the engine's own ModelRunner (in the core process, or in the caller's process for
 the offline LLM); ranks 1..N-1 are processes started here. Each builds a ModelRunner on its
 shard and runs every forward pass rank 0 runs, with the same batch, so the collectives inside
-the model line up. Only rank 0 samples; it broadcasts the sampled tokens on the device, so a
+the model line up. Every rank ends a step with the same sampled tokens on its device, so a
 worker takes a pending input token (async scheduling: sampled by the previous step, not yet
-on any host) from there exactly as rank 0 does, and no rank waits for the host.
+on any host) from there exactly as rank 0 does, and no rank waits for the host. How they get
+there is rank 0's choice per step (the message's flags):
+- SHARDED_SAMPLING: the batch's draws depend on nothing but temperature (the usual case).
+  Each rank draws over its own vocab shard and the ranks exchange only each row's best
+  (value, index): no logits gather, no token broadcast. A worker knows each sequence's
+  temperature and seed from its full row, and the output index from its prompt length.
+- otherwise (penalties, top-k/p, min-p, min_tokens, logprobs): the logits are gathered, rank
+  0 samples and broadcasts the tokens on the device.
 
 Control channel: one socketpair per worker, one message per step, rank 0 -> worker (a worker
 writes back only "up" at start and its traceback when it fails). A worker keeps a mirror of the
-previous step's rows; a message is a flat int32 array with one record per row of the step:
+previous step's rows; a message is a flat int32 array, [flags], then one record per row:
 
     delta row: [prev_row, num_new_tokens, sample, n_tok, n_blk, *new_tokens, *new_blocks]
-    full row:  [-1,       num_new_tokens, sample, n_tok, n_blk, num_computed, *tokens, *blocks]
+    full row:  [-1,       num_new_tokens, sample, n_tok, n_blk, num_computed, num_prompt,
+                temperature (float32 bits), seed_hi, seed_lo, *tokens, *blocks]
 
 Tokens are those on rank 0's host when the step is sent; a row's last input token may still
 be pending on the device, and reaches the worker's mirror in a later message.
@@ -21,7 +29,7 @@ be pending on the device, and reaches the worker's mirror in a later message.
 is its one sampled token: 6 ints, 24 bytes, plus 4 more when it crossed into a new block); a
 new, preempted-and-readmitted or otherwise changed sequence goes in full. Rows of the
 previous step that the new step does not name (finished, preempted, aborted, paused) drop
-out of the mirror, so nothing else needs sending. An empty message means "stop".
+out of the mirror, so nothing else needs sending. An empty message (no flags) means "stop".
 
 Workers are started with subprocess, not multiprocessing: the engine core is a daemonic
 multiprocessing child, and those may not have multiprocessing children.
@@ -43,6 +51,7 @@ import itertools
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -60,7 +69,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from engine_service.sampling_params import SamplingParams
 from engine_service.scheduler import ScheduledSeq
+from models.layers.sampler import SAMPLING_EPS
 from models.parallel import disable_nvlink_multicast
 
 if TYPE_CHECKING:
@@ -71,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 FULL_ROW = -1
 ROW_HEADER = 5  # prev_row, num_new_tokens, sample, n_tok, n_blk
+FULL_ROW_EXTRA = 5  # num_computed, num_prompt, temperature bits, seed_hi, seed_lo
+SHARDED_SAMPLING = 1  # flags bit: every rank draws over its vocab shard this step
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # backstop; dead peers are caught sooner
 STARTUP_TIMEOUT_S = 600.0  # a worker must say "up" (torch imported) within this
 STUCK_GRACE_S = 5.0  # rank 0 waiting this long on a dead rank's collective is stuck
@@ -84,12 +97,34 @@ UP = b"up"
 
 @dataclass(slots=True)
 class MirrorSeq:
-    """A worker's view of one sequence: what prepare_inputs reads, nothing more."""
+    """A worker's view of one sequence: what prepare_inputs and (for sharded sampling)
+    prepare_sampling read, nothing more."""
 
     seq_id: int  # the worker's own numbering: keys the previous step's sampled rows
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams  # temperature only: the rest is rank 0's business
+    seed: int
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+def _sampling_fields(seq: Sequence) -> tuple[int, int, int]:
+    """(temperature as float32 bits, seed high word, seed low word as a signed int32). The
+    worker draws with the float32 temperature rank 0's sampler uses (its near-zero cut
+    applied here, so rounding cannot move a row across it)."""
+    temperature = seq.sampling_params.temperature
+    temperature = 0.0 if temperature < SAMPLING_EPS else temperature
+    low = seq.seed & 0xFFFFFFFF
+    return _float_bits(temperature), seq.seed >> 32, low - (1 << 32) if low >= 1 << 31 else low
 
 
 @dataclass(slots=True)
@@ -108,8 +143,8 @@ class StepEncoder:
     def __init__(self) -> None:
         self._prev: dict[str, tuple[int, _Sent]] = {}  # seq_id -> (row, what was sent)
 
-    def encode(self, batch: list[ScheduledSeq]) -> bytes:
-        out = array("i")
+    def encode(self, batch: list[ScheduledSeq], sharded_sampling: bool = False) -> bytes:
+        out = array("i", [SHARDED_SAMPLING if sharded_sampling else 0])
         current: dict[str, tuple[int, _Sent]] = {}
         for row, item in enumerate(batch):
             seq = item.seq
@@ -124,7 +159,8 @@ class StepEncoder:
             else:
                 tokens, blocks = seq.token_ids, seq.block_table
                 out.extend((FULL_ROW, item.num_new_tokens, item.sample, len(tokens),
-                            len(blocks), item.start))
+                            len(blocks), item.start, seq.num_prompt_tokens))
+                out.extend(_sampling_fields(seq))
                 sent = _Sent(seq, 0, list(blocks), 0)
             out.extend(tokens)
             out.extend(blocks)
@@ -145,22 +181,26 @@ def _still_mirrored(sent: _Sent, item: ScheduledSeq) -> bool:
 
 
 def decode_step(message: bytes, prev: list[MirrorSeq], ids: Iterator[int]
-                ) -> list[ScheduledSeq]:
-    """A worker's side: rebuild the batch from a message and the previous step's rows; a
-    full row becomes a new MirrorSeq numbered from `ids`."""
+                ) -> tuple[list[ScheduledSeq], bool]:
+    """A worker's side: rebuild the batch from a message and the previous step's rows (a
+    full row becomes a new MirrorSeq numbered from `ids`), and whether every rank samples
+    its vocab shard this step."""
     data = array("i")
     data.frombytes(message)
     values = data.tolist()
     batch: list[ScheduledSeq] = []
-    i = 0
+    i = 1
     while i < len(values):
         prev_row, num_new, sample, n_tok, n_blk = values[i:i + ROW_HEADER]
         i += ROW_HEADER
         if prev_row == FULL_ROW:
-            computed = values[i]
-            i += 1
+            computed, num_prompt, temperature, seed_hi, seed_lo = \
+                values[i:i + FULL_ROW_EXTRA]
+            i += FULL_ROW_EXTRA
             seq = MirrorSeq(next(ids), values[i:i + n_tok], computed,
-                            values[i + n_tok:i + n_tok + n_blk])
+                            values[i + n_tok:i + n_tok + n_blk], num_prompt,
+                            SamplingParams(temperature=_bits_float(temperature)),
+                            (seed_hi << 32) | (seed_lo & 0xFFFFFFFF))
         else:
             seq = prev[prev_row]
             seq.token_ids.extend(values[i:i + n_tok])
@@ -168,7 +208,7 @@ def decode_step(message: bytes, prev: list[MirrorSeq], ids: Iterator[int]
         i += n_tok + n_blk
         batch.append(ScheduledSeq(seq, num_new, bool(sample),  # type: ignore[arg-type]
                                   seq.num_computed_tokens))
-    return batch
+    return batch, bool(values[0] & SHARDED_SAMPLING)
 
 
 def finish_step(batch: list[ScheduledSeq]) -> list[MirrorSeq]:
@@ -302,10 +342,10 @@ class TPWorkers:
     # -- steps --------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, batch: list[ScheduledSeq]) -> Iterator[None]:
+    def step(self, batch: list[ScheduledSeq], sharded_sampling: bool) -> Iterator[None]:
         """Send the step to every worker, then let rank 0 launch it (under `guard`)."""
         self.check_alive()
-        message = self.encoder.encode(batch)
+        message = self.encoder.encode(batch, sharded_sampling)
         for rank, conn in self.controls.items():
             try:
                 conn.send_bytes(message)
@@ -501,8 +541,8 @@ def _replay_steps(runner, control: Connection) -> None:
         message = control.recv_bytes()
         if not message:
             return
-        batch = decode_step(message, mirror, ids)
-        runner.replay(batch)  # queued on the device; this rank never waits for it
+        batch, sharded_sampling = decode_step(message, mirror, ids)
+        runner.replay(batch, sharded_sampling)  # queued on the device; never waited for
         mirror = finish_step(batch)
 
 

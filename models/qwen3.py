@@ -193,12 +193,13 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """hidden_states [N, hidden] -> logits over the full vocabulary [N, vocab] in the
-        model dtype (gathered across tensor-parallel ranks; every rank gets them). Not
+        model dtype (gathered across tensor-parallel ranks; every rank gets them), or with
+        gather=False over this rank's vocab range only (`lm_head.vocab_start` on). Not
         upcast here: the sampler's kernel reads them as they are, and its other paths make
         the float32 copy they need (at batch 256 the copy was a 100 us kernel a step)."""
-        return self.lm_head(hidden_states)
+        return self.lm_head(hidden_states, gather)
 
     def attention_layers(self) -> list[Attention]:
         """Every Attention module in layer order; the runner sets their `kv_cache`."""

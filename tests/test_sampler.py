@@ -396,3 +396,45 @@ def test_logits_not_modified_in_place() -> None:
            suppress=[(0, 1)])
     assert torch.equal(logits, before)
     assert not math.isnan(logits.sum().item())
+
+
+# ---- sharded sampling (tensor-parallel ranks each draw over their vocab range) --------------
+
+@pytest.mark.parametrize("shards", [2, 3, 4])
+def test_shard_bests_combine_to_the_whole_row_draw(shards: int) -> None:
+    """Each shard's best (value, global index), reduced over the shards by the collective's
+    rule, is the token `forward` draws from the whole row: greedy and sampled rows, a row
+    with ties across a shard boundary (the lower index must win), and an all -inf row."""
+    from models.layers.sampler import _shard_best
+    from models.parallel import tp_argmax
+
+    vocab = 50
+    gen = torch.Generator().manual_seed(shards)
+    logits = torch.randn(5, vocab, generator=gen) * 3
+    logits[2, 10:40] = 7.0  # greedy ties: spans every boundary of 2, 3 and 4 shards
+    logits[4] = -math.inf
+    params = [{"temperature": 0.0}, {"temperature": 0.7}, {"temperature": 0.0},
+              {"temperature": 1.3}, {"temperature": 0.0}]
+    t = build(params, seeds=[3, 1, 4, 1 << 40, 9], steps=[0, 5, 2, 7, 1], vocab=vocab)
+    assert t.temperature_only
+    expected = Sampler()(logits, t).sampled_token_ids
+    bounds = [round(i * vocab / shards) for i in range(shards + 1)]
+    parts = [_shard_best(logits[:, lo:hi], t, lo)
+             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    values = torch.cat([v for v, _ in parts], dim=1)  # [B, shards]
+    indices = torch.cat([i for _, i in parts], dim=1)
+    got = tp_argmax(values, indices)  # no process group: the reduction alone
+    assert got.tolist() == expected.tolist()
+    assert got[2].item() == 10 and got[4].item() == 0
+
+
+def test_shard_sampling_is_refused_where_more_than_temperature_shapes_the_draw() -> None:
+    for fields in ({"temperature": 0.8, "top_k": 5}, {"temperature": 0.8, "top_p": 0.5},
+                   {"temperature": 0.8, "min_p": 0.1}, {"temperature": 0.8, "logprobs": 2},
+                   {"temperature": 0.8, "presence_penalty": 0.5}):
+        t = build([fields], vocab=8)
+        assert not t.temperature_only, fields
+        with pytest.raises(AssertionError, match="temperature alone"):
+            Sampler().sample_shard(torch.zeros(1, 8), t, 0)
+    assert not build([{"temperature": 0.8}], vocab=8, suppress=[(0, 3)]).temperature_only
+    assert build([{"temperature": 0.8}, {"temperature": 0.0}], vocab=8).temperature_only

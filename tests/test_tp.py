@@ -7,6 +7,7 @@ import itertools
 import os
 import random
 import signal
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from engine_service.block_manager import BlockManager
 from engine_service.scheduler import ScheduledSeq, Scheduler
 from engine_service.sequence import Sequence
 from engine_service.tp_worker import StepEncoder, decode_step, finish_step
+from models.layers.sampler import SAMPLING_EPS
 from tests.helpers import greedy as ignore_eos_greedy
 from tests.helpers import random_prompts, shared_prefix_prompts, spy_preemptions
 from tests.procs import start_engine, wait_blocks_free
@@ -85,6 +87,10 @@ def wait_all_gone(pids: list[int], timeout: float = GONE_WITHIN_S) -> list[int]:
 # ---------------------------------------------------------------- delta encoding
 
 
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _check_mirror(batch, mirrored) -> None:
     assert len(mirrored) == len(batch)
     for item, got in zip(batch, mirrored, strict=True):
@@ -93,6 +99,12 @@ def _check_mirror(batch, mirrored) -> None:
         assert m.block_table == seq.block_table, seq.seq_id
         assert m.num_computed_tokens == got.start == item.start, seq.seq_id
         assert (got.num_new_tokens, got.sample) == (item.num_new_tokens, item.sample)
+        # What a worker's own draw needs: the same seed, output index and float32
+        # temperature as rank 0's sampler (which treats T < SAMPLING_EPS as greedy).
+        assert (m.seed, got.output_index) == (seq.seed, item.output_index), seq.seq_id
+        temperature = seq.sampling_params.temperature
+        assert m.sampling_params.temperature == _float32(
+            0.0 if temperature < SAMPLING_EPS else temperature), seq.seq_id
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
@@ -111,8 +123,10 @@ def test_worker_mirror_follows_the_scheduler(make_config, overlap):
     def add(rid: str) -> Sequence:
         prompt = (shared if rng.random() < 0.5 else []) + [
             rng.randrange(300) for _ in range(rng.randint(1, 30))]
-        seq = Sequence(rid, prompt, SamplingParams(max_tokens=rng.randint(3, 20),
-                                                    ignore_eos=True))
+        sp = SamplingParams(max_tokens=rng.randint(3, 20), ignore_eos=True,
+                            temperature=rng.choice([0.0, 1e-7, 0.7, 1.3]),
+                            seed=rng.choice([None, 0, 2**31 - 1, 2**31, 2**63 - 1]))
+        seq = Sequence(rid, prompt, sp)
         sched.add(seq)
         return seq
 
@@ -130,8 +144,11 @@ def test_worker_mirror_follows_the_scheduler(make_config, overlap):
         out = sched.schedule()
         seen["preempted"] += len(out.preempted)
         if not out.is_empty:
-            batch = decode_step(encoder.encode(out.scheduled), mirror, ids)
+            sharded = rng.random() < 0.5
+            batch, got_sharded = decode_step(encoder.encode(out.scheduled, sharded), mirror,
+                                             ids)
             _check_mirror(out.scheduled, batch)
+            assert got_sharded == sharded
             seen["hits"] += sum(1 for s in out.scheduled if s.seq.num_cached_tokens > 0)
             seen["lagging"] += sum(1 for s in batch
                                    if len(s.seq.token_ids) < s.start + s.num_new_tokens)
@@ -163,7 +180,7 @@ def _first_step(seq: Sequence, num_new: int) -> tuple[StepEncoder, list]:
     encoder = StepEncoder()
     step = [ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens,
                          seq.num_computed_tokens)]
-    mirror = finish_step(decode_step(encoder.encode(step), [], itertools.count()))
+    mirror = finish_step(decode_step(encoder.encode(step), [], itertools.count())[0])
     seq.num_computed_tokens += num_new
     return encoder, mirror
 
@@ -171,7 +188,7 @@ def _first_step(seq: Sequence, num_new: int) -> tuple[StepEncoder, list]:
 def _next_step_mirrors(encoder: StepEncoder, mirror: list, seq: Sequence) -> None:
     step = [ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, True,
                          seq.num_computed_tokens)]
-    _check_mirror(step, decode_step(encoder.encode(step), mirror, itertools.count(100)))
+    _check_mirror(step, decode_step(encoder.encode(step), mirror, itertools.count(100))[0])
 
 
 @pytest.mark.parametrize("case", ["other_blocks", "fewer_computed", "reused_id"])
@@ -213,7 +230,7 @@ def test_decode_message_is_small_and_independent_of_context_length(make_config):
             out = sched.schedule()
             msg = encoder.encode(out.scheduled)
             msgs.append((msg, [s.num_new_tokens for s in out.scheduled]))
-            mirror = finish_step(decode_step(msg, mirror, ids))
+            mirror = finish_step(decode_step(msg, mirror, ids)[0])
             sched.postprocess(out, [7 if s.sample else None for s in out.scheduled])
         decode = [m for m, lens in msgs if lens == [1] * 32]
         assert len(decode) >= 4
@@ -238,17 +255,24 @@ def make_llm(model_dir, **kw) -> LLM:
     return LLM(str(model_dir), **args)
 
 
-def generate_tp1_then_tp2(model_dir, prompt_sets, spy_preemption: bool = False, **kw):
-    """Token ids per prompt set at TP=1, then at TP=2. The TP=1 engine is done before the
-    TP=2 one starts: the process group is process-wide, and a TP=1 model run inside it would
-    join its collectives."""
+def generate_tp1_then_tp2(model_dir, prompt_sets, spy_preemption: bool = False,
+                          params=None, on_tp2=None, **kw):
+    """Token ids per prompt set at TP=1, then at TP=2 (greedy unless `params` gives one
+    SamplingParams list per set; `on_tp2(llm)` runs before the TP=2 engine generates). The
+    TP=1 engine is done before the TP=2 one starts: the process group is process-wide, and
+    a TP=1 model run inside it would join its collectives."""
+    params = params or [greedy()] * len(prompt_sets)
     tp1 = make_llm(model_dir, **kw)
-    ref = [tp1.generate(ps, greedy(), use_tqdm=False) for ps in prompt_sets]
+    ref = [tp1.generate(ps, sp, use_tqdm=False)
+           for ps, sp in zip(prompt_sets, params, strict=True)]
     tp2 = make_llm(model_dir, tensor_parallel_size=2, **kw)
     preempted = spy_preemptions(tp2) if spy_preemption else []
+    if on_tp2 is not None:
+        on_tp2(tp2)
     try:
         assert tp2.engine.model_runner.model.attention_layers()[0].num_kv_heads == 1
-        got = [tp2.generate(ps, greedy(), use_tqdm=False) for ps in prompt_sets]
+        got = [tp2.generate(ps, sp, use_tqdm=False)
+               for ps, sp in zip(prompt_sets, params, strict=True)]
     finally:
         tp2.engine.shutdown()
     return ref, got, preempted
@@ -276,6 +300,43 @@ def test_tp2_greedy_equals_tp1_under_preemption(tiny_model_dir):
         tiny_model_dir, [prompts], spy_preemption=True, num_kv_blocks=24, max_model_len=96)
     assert [o.token_ids for o in got[0]] == [o.token_ids for o in ref[0]]
     assert preempted, "the KV budget was meant to force preemption"
+
+
+@pytest.mark.slow
+def test_tp2_seeded_sampling_equals_tp1_sharded_and_gathered(tiny_model_dir):
+    """Seeded temperature draws at TP=2 give TP=1's tokens both ways a step can sample:
+    the first pass is temperature-only, so every rank draws over its own vocab shard; in
+    the second one row also asks for logprobs, so the logits are gathered and rank 0
+    samples and broadcasts. The workers follow rank 0's choice (else a collective would
+    not line up)."""
+    prompts = random_prompts(6, 500, seed=3, lo=5, hi=30)
+    temps = [0.8, 0.0, 1.3, 0.8, 1e-7, 0.5]
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=t,
+                              seed=1000 + i) for i, t in enumerate(temps)]
+    with_logprobs = list(sampled)
+    with_logprobs[3] = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8,
+                                      seed=1003, logprobs=2)
+    calls = {"sharded": 0, "gathered": 0}
+
+    def spy(llm) -> None:
+        sampler = llm.engine.model_runner.sampler
+        shard, full = sampler.sample_shard, sampler.forward
+
+        def sample_shard(*a, **k):
+            calls["sharded"] += 1
+            return shard(*a, **k)
+
+        def forward(*a, **k):
+            calls["gathered"] += 1
+            return full(*a, **k)
+
+        sampler.sample_shard, sampler.forward = sample_shard, forward
+
+    ref, got, _ = generate_tp1_then_tp2(tiny_model_dir, [prompts, prompts],
+                                        params=[sampled, with_logprobs], on_tp2=spy)
+    for r_pass, g_pass in zip(ref, got, strict=True):
+        assert [o.token_ids for o in g_pass] == [o.token_ids for o in r_pass]
+    assert calls["sharded"] >= MAX_TOKENS and calls["gathered"] >= MAX_TOKENS, calls
 
 
 @pytest.mark.slow

@@ -65,9 +65,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     layout), so nothing is loaded twice.
     """
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # hidden_states: [num_tokens, embedding_dim] -> [num_tokens, num_embeddings]
-        logits = linear(hidden_states, self.weight)
+    def forward(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """hidden_states [num_tokens, embedding_dim] -> logits [num_tokens, num_embeddings],
+        or with gather=False this rank's columns only, vocab_start .. vocab_end - 1."""
+        logits = linear(hidden_states, self.weight)  # [num_tokens, num_per_rank]
+        if not gather:
+            return logits[..., : self.vocab_end - self.vocab_start]  # the last rank pads
         if self.tp_size > 1:
             logits = tp_all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

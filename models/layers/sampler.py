@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from models.host_copy import to_device
+from models.parallel import NO_INDEX, tp_argmax
 
 # Temperatures below this are treated as greedy: dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
@@ -53,27 +54,30 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int,
+                   vocab_offset: int = 0) -> torch.Tensor:
     """u in (0, 1) for every (row, vocab index), a pure function of (seed, step, index).
 
-    seeds, steps: int64 [B]. Returns float32 [B, vocab_size]; the 23 top hash bits give
-    u = (m + 0.5) / 2**23, exact in float32, so u is never 0 or 1.
+    seeds, steps: int64 [B]. Returns float32 [B, vocab_size] for the vocab indices
+    vocab_offset .. vocab_offset + vocab_size - 1 (a tensor-parallel rank's shard draws what
+    the whole row would at its indices); the 23 top hash bits give u = (m + 0.5) / 2**23,
+    exact in float32, so u is never 0 or 1.
     """
     # A splitmix64 stream per (seed, step): the key is its state, the vocab index its counter.
     key = mix64(mix64(seeds ^ _SEED_SALT) + steps * _GAMMA)  # [B]
-    offsets = (torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device)
-               * _GAMMA)  # [V]
+    offsets = (torch.arange(vocab_offset + 1, vocab_offset + vocab_size + 1,
+                            dtype=torch.int64, device=seeds.device) * _GAMMA)  # [V]
     bits = mix64(key[:, None] + offsets[None, :])  # [B, V]
     mantissa = _shr(bits, 41).to(torch.float32)  # [B, V] in [0, 2**23)
     return (mantissa + 0.5) * (1.0 / (1 << 23))
 
 
-def race_perturbed(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
-                   ) -> torch.Tensor:
+def race_perturbed(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                   vocab_offset: int = 0) -> torch.Tensor:
     """logits - log(E) with E = -log(u) ~ Exp(1): its argmax is a draw from softmax(logits).
     ~15 elementwise passes over [B, V]: the CPU path and the reference of the fused CUDA
-    kernel (`models.kernels.sample.race_argmax`)."""
-    u = hashed_uniform(seeds, steps, logits.shape[-1])  # [B, V]
+    kernel (`models.kernels.sample.race_argmax`). Column j is vocab index vocab_offset + j."""
+    u = hashed_uniform(seeds, steps, logits.shape[-1], vocab_offset)  # [B, V]
     return logits - (-u.log()).log()
 
 
@@ -109,6 +113,14 @@ class SamplingTensors:
     any_top_p: bool = False
     any_min_p: bool = False
     any_penalty: bool = False
+
+    @property
+    def temperature_only(self) -> bool:
+        """Nothing but temperature shapes this batch's draws and no logprobs are wanted: each
+        row's token is then the argmax of per-token values, which vocab shards can each
+        take over their own columns (`Sampler.sample_shard`)."""
+        return not (self.any_penalty or self.suppress_token_ids is not None or self.any_top_k
+                    or self.any_top_p or self.any_min_p or self.max_num_logprobs >= 0)
 
     def __post_init__(self) -> None:
         if self.max_num_logprobs is None:
@@ -275,18 +287,27 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None  # asked every step: cached
 
 
-def _temperature_only(t: SamplingTensors) -> bool:
-    """Nothing but temperature shapes this batch's draws (and no logprobs are wanted)."""
-    return not (t.any_penalty or t.suppress_token_ids is not None or t.any_top_k
-                or t.any_top_p or t.any_min_p or t.max_num_logprobs >= 0)
-
-
 def _race_argmax(logits: torch.Tensor, t: SamplingTensors, temps: torch.Tensor
                  ) -> torch.Tensor:
     # Imported on first CUDA use only: CPU installs may lack triton.
     from models.kernels.sample import race_argmax
 
     return race_argmax(logits, temps, t.seeds, t.sample_steps)
+
+
+def _shard_best(logits: torch.Tensor, t: SamplingTensors, vocab_offset: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path of sharded sampling: each row's best (value float32 [B, 1], global
+    index int32 [B, 1]) over this shard, the values `forward` takes the argmax of; NO_INDEX
+    where nothing is above -inf (NaN never wins, as in the kernel)."""
+    temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)  # [B]
+    perturbed = race_perturbed(logits / temps[:, None], t.seeds, t.sample_steps, vocab_offset)
+    x = torch.where((t.temperatures > 0)[:, None], perturbed, logits)  # [B, V_rank]
+    x = x.masked_fill(x.isnan(), -math.inf)
+    best = x.argmax(dim=-1, keepdim=True)  # [B, 1], the first of equal values
+    values = x.gather(1, best)
+    indices = torch.where(values > -math.inf, best + vocab_offset, NO_INDEX)
+    return values, indices.to(torch.int32)
 
 
 class Sampler(nn.Module):
@@ -317,7 +338,7 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         kernel = self.use_kernel and logits.is_cuda and _triton_installed()
-        if kernel and _temperature_only(t):
+        if kernel and t.temperature_only:
             # Nothing edits the logits: no float32 copy, read in the model's dtype (exact).
             if t.all_greedy:
                 return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
@@ -339,6 +360,24 @@ class Sampler(nn.Module):
             greedy = logits.argmax(dim=-1)  # [B]
             tokens = torch.where(t.temperatures > 0, self._sample(logits, t), greedy)
         return self._logprobs(raw, tokens, t.max_num_logprobs)
+
+    def sample_shard(self, logits: torch.Tensor, t: SamplingTensors, vocab_offset: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Collective over the tensor-parallel ranks: this rank's vocab columns of the logits
+        [B, V_rank] (column j is vocab index vocab_offset + j) -> the batch's tokens int64
+        [B], the same on every rank and the same as `forward` over the whole row. Only for
+        `t.temperature_only` batches: their draw is an argmax of per-token values (the
+        perturbed logits, or the logits of greedy rows), so each rank takes the best of its
+        shard and the ranks exchange one (value, index) per row instead of the logits."""
+        assert t.temperature_only, "sharded sampling draws with temperature alone"
+        if self.use_kernel and logits.is_cuda and _triton_installed():
+            from models.kernels.sample import race_partials
+
+            values, indices = race_partials(logits, t.temperatures, t.seeds, t.sample_steps,
+                                            vocab_offset=vocab_offset)  # [B, splits] each
+        else:
+            values, indices = _shard_best(logits.float(), t, vocab_offset)  # [B, 1] each
+        return tp_argmax(values, indices, out)
 
     @staticmethod
     def _scale_and_mask(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Tensor parallelism on GPUs (NCCL, CUDA graphs on every rank): TP=2 and TP=4 give the same
-greedy tokens as TP=1, in float32, on the tiny model (4 heads, 2 KV heads: TP=2 splits the
-KV heads, TP=4 replicates them).
+greedy and seeded-sampled tokens as TP=1, in float32, on the tiny model (4 heads, 2 KV heads:
+TP=2 splits the KV heads, TP=4 replicates them).
 
 The TP engines size their KV cache from the free GPU memory, so run this file alone, not
 beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): on 4x H200 at
@@ -29,19 +29,28 @@ def _prompts() -> list[list[int]]:
     return prompts + [[rng.randrange(500) for _ in range(n)] for n in (1, 9, 33, 120)]
 
 
-def _two_passes(llm: LLM, prompts) -> list[list]:
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    return [llm.generate(prompts, sp, use_tqdm=False) for _ in range(2)]
+def _passes(llm: LLM, prompts) -> list[list]:
+    """Greedy twice (the second hits the prefix cache), then seeded temperature draws: all
+    rows temperature-only (at TP > 1 every rank draws over its vocab shard and the fast
+    argmax kernel combines them), then with one row asking for logprobs (the logits are
+    gathered and rank 0 samples)."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    with_logprobs = seeded[:-1] + [SamplingParams(temperature=0.9, max_tokens=16,
+                                                  ignore_eos=True, seed=99, logprobs=1)]
+    return [llm.generate(prompts, sp, use_tqdm=False)
+            for sp in (greedy, greedy, seeded, with_logprobs)]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_tp_greedy_tokens_equal_tp1(tiny_model_dir, world_size):
+def test_tp_tokens_equal_tp1(tiny_model_dir, world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     prompts = _prompts()
     # TP=1 first and gone before the TP group exists (it is process-wide).
     ref_llm = LLM(str(tiny_model_dir), num_kv_blocks=256, **COMMON)
-    ref = _two_passes(ref_llm, prompts)
+    ref = _passes(ref_llm, prompts)
     del ref_llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -58,7 +67,7 @@ def test_tp_greedy_tokens_equal_tp1(tiny_model_dir, world_size):
              gpu_memory_utilization=share, **COMMON)
     try:
         assert tp.engine.model_runner.graph_runner is not None  # decode runs from graphs
-        got = _two_passes(tp, prompts)
+        got = _passes(tp, prompts)
     finally:
         tp.engine.shutdown()
     for r_pass, g_pass in zip(ref, got, strict=True):

@@ -116,10 +116,11 @@ class CudaGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.max_seq_len = cfg.max_model_len
         self.inputs = DecodeInputs(self.max_bs, cfg.max_blocks_per_seq, runner.device)
-        hidden = runner.model_config.hidden_size
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32,
                                          device=runner.device)
-        self.output = torch.zeros(self.max_bs, hidden, dtype=runner.dtype, device=runner.device)
+        # Each graph's hidden states [bs, hidden] stay where its capture left them (replays
+        # write the same memory), so no copy into a shared output ends the graph.
+        self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture()
@@ -129,7 +130,7 @@ class CudaGraphRunner:
         """[max_bs] int64: the last step's sampled tokens, where pending inputs come from."""
         return self.inputs.dev["sampled"]
 
-    def _forward(self, bs: int) -> None:
+    def _forward(self, bs: int) -> torch.Tensor:
         v = self.inputs.dev
         meta = AttentionMetadata(
             slot_mapping=v["slot_mapping"][:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
@@ -137,7 +138,7 @@ class CudaGraphRunner:
             max_query_len=1, max_seq_len=self.max_seq_len, seq_lens_cpu=None,
             cu_seqlens_q_cpu=None, decode_only=True)
         input_ids = self.inputs.token_candidates[v["token_index"][:bs]]  # [bs]
-        self.output[:bs] = self.model(input_ids, v["positions"][:bs], meta)
+        return self.model(input_ids, v["positions"][:bs], meta)  # [bs, hidden]
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -146,7 +147,7 @@ class CudaGraphRunner:
             self._forward(bs)  # warm-up outside the graph: Triton compiles and autotunes here
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
+                self.outputs[bs] = self._forward(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -160,8 +161,7 @@ class CudaGraphRunner:
     def replay(self, n: int) -> torch.Tensor:
         """The forward of the n staged rows: hidden states [n, hidden]."""
         bs = self.padded_size(n)
-        if self.graphs:
-            self.graphs[bs].replay()
-        else:
-            self._forward(bs)
-        return self.output[:n]
+        if not self.graphs:
+            return self._forward(bs)[:n]
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

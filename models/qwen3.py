@@ -111,12 +111,8 @@ class Qwen3DecoderLayer(nn.Module):
         # of the attention and MLP outputs: returns (mlp partial output, residual).
         if self._norms_into_gemvs(hidden_states):
             return self._forward_batch1(positions, hidden_states, residual, meta)
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual,
-                                                           reduce=True)
+        # The first layer's input is the embedding's partial sum (residual None).
+        hidden_states, residual = self.input_layernorm(hidden_states, residual, reduce=True)
         hidden_states = self.self_attn(positions, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual,
                                                                 reduce=True)
@@ -161,7 +157,8 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        # A partial sum at TP > 1, like each layer's output: layer 0's norm kernel sums it.
+        hidden_states = self.embed_tokens(input_ids, reduce=False)  # [T, hidden]
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)

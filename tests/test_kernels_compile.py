@@ -61,6 +61,7 @@ from models.kernels import (  # noqa: E402
     qk_norm_rope,
     sample,
     store_kv,
+    tp_argmax,
 )
 from models.kernels import paged_attention as pa  # noqa: E402
 
@@ -353,16 +354,18 @@ def _sample_cases() -> list[Any]:
                       **_ptrs("fp32", "temps_ptr", "part_val_ptr"),
                       **_ptrs("i64", "seeds_ptr", "steps_ptr"),
                       **_ptrs("i32", "part_idx_ptr")},
-            constexprs=dict(BLOCK=sample.BLOCK, LIBDEVICE=True),
+            constexprs=dict(BLOCK=sample.BLOCK, LIBDEVICE=True, PDL=True),
             num_warps=sample.NUM_WARPS,
-            ints=dict(vocab_size=151936, stride_row=151936, chunk=2048, num_splits=1),
+            # A TP=4 rank's shard of Qwen3's vocab (vocab_offset: rank 1's).
+            ints=dict(vocab_size=37984, vocab_offset=37984, stride_row=37984, chunk=1024,
+                      num_splits=38),
         )
         cases.append(pytest.param(case, id=f"sample-race_partial-{dt}"))
     combine = Case(
         kernel=sample._combine_kernel,
         pointers={**_ptrs("fp32", "part_val_ptr"), **_ptrs("i32", "part_idx_ptr"),
                   **_ptrs("i64", "tokens_ptr")},
-        constexprs=dict(SPLITS_PAD=sample.MAX_SPLITS),
+        constexprs=dict(SPLITS_PAD=sample.MAX_SPLITS, PDL=True),
         num_warps=1, ints=dict(num_splits=1),
     )
     cases.append(pytest.param(combine, id="sample-combine"))
@@ -380,13 +383,16 @@ def _all_reduce_norm_cases() -> list[Any]:
         for world in (2, 4, 8):
             data_rows = min(1024, 256 * 1024 // (hidden * itemsize))
             for rank in range(world) if world <= 4 else (0, world - 1):
+                # Layer 0's call has no residual (the embedding's partial sum alone).
+                has_residual = rank != world - 1 or world == 2
                 case = Case(
                     kernel=all_reduce_norm._all_reduce_add_rms_norm_kernel,
                     pointers={**_ptrs(dt, "x_ptr", "residual_ptr", "weight_ptr", "out_ptr",
                                       "residual_out_ptr"),
                               **_ptrs("i64", "data_ptrs"),
                               **_ptrs("i32", "epochs_ptr")},
-                    constexprs=dict(RANK=rank, WORLD=world, BLOCK_H=block_h, PDL=True),
+                    constexprs=dict(RANK=rank, WORLD=world, BLOCK_H=block_h, PDL=True,
+                                    HAS_RESIDUAL=has_residual),
                     num_warps=4 if block_h <= 2048 else 8,
                     ints=dict(hidden=hidden, data_rows=data_rows,
                               stride_x=hidden, stride_r=hidden, stride_o=hidden,
@@ -394,7 +400,31 @@ def _all_reduce_norm_cases() -> list[Any]:
                     floats=("eps",),
                 )
                 cases.append(pytest.param(
-                    case, id=f"all_reduce_norm-h{hidden}-{dt}-w{world}-r{rank}"))
+                    case, id=f"all_reduce_norm-h{hidden}-{dt}-w{world}-r{rank}"
+                             f"{'' if has_residual else '-first'}"))
+    return cases
+
+
+def _tp_argmax_cases() -> list[Any]:
+    """The cross-rank argmax: one variant per (rank, world size), like the fused norm's;
+    every rank of 2 and 4, the first and last of 8, and one rank of 3 (a padded peer
+    tile)."""
+    cases = []
+    for world, ranks in ((2, (0, 1)), (4, (0, 1, 2, 3)), (8, (0, 7)), (3, (1,))):
+        for rank in ranks:
+            case = Case(
+                kernel=tp_argmax._tp_argmax_kernel,
+                pointers={**_ptrs("fp32", "values_ptr"), **_ptrs("i32", "indices_ptr"),
+                          **_ptrs("i64", "out_ptr", "data_ptrs"),
+                          **_ptrs("i32", "epochs_ptr")},
+                constexprs=dict(RANK=rank, WORLD=world,
+                                WORLD_PAD=triton.next_power_of_2(world),
+                                S_PAD=tp_argmax.MAX_CANDIDATES, PDL=True),
+                num_warps=1,
+                ints=dict(num_candidates=38, data_rows=1024, stride_v=38, stride_i=38,
+                          stride_o=1),
+            )
+            cases.append(pytest.param(case, id=f"tp_argmax-w{world}-r{rank}"))
     return cases
 
 
@@ -413,7 +443,8 @@ def _without_pdl(cases: list[Any]) -> list[Any]:
 
 
 CASES = (_attention_cases() + _fused_gemv_cases() + _gemv_cases() + _store_kv_cases()
-         + _qk_norm_rope_cases() + _sample_cases() + _all_reduce_norm_cases())
+         + _qk_norm_rope_cases() + _sample_cases() + _all_reduce_norm_cases()
+         + _tp_argmax_cases())
 CASES += _without_pdl(CASES)
 
 

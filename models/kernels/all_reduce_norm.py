@@ -107,6 +107,7 @@ def _all_reduce_add_rms_norm_kernel(
     eps, hidden, data_rows,
     stride_x, stride_r, stride_o, stride_ro,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
@@ -118,7 +119,6 @@ def _all_reduce_add_rms_norm_kernel(
     epoch = tl.load(epochs_ptr + row)
     half = (epoch & 1) * WORLD  # data layout [parity][src][data_rows][hidden]
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
-    residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
     dtype = x.dtype
     words = _to_words(x)
     # This rank's row goes to the same place in every peer's buffer.
@@ -141,7 +141,10 @@ def _all_reduce_add_rms_norm_kernel(
     for src in tl.static_range(WORLD):  # rank order on every rank: identical sums
         acc += tl.sum(tl.where(srcs == src, rows, 0.0), axis=0)  # row src, plus exact zeros
     reduced = acc.to(dtype)  # what the all-reduce would have returned
-    h = (reduced.to(tl.float32) + residual.to(tl.float32)).to(dtype)  # the new residual
+    h = reduced  # the new residual: the sum, plus the old residual if there is one
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        h = (reduced.to(tl.float32) + residual.to(tl.float32)).to(dtype)
     h32 = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h32 * h32, axis=0) / hidden + eps)
     out = weight.to(tl.float32) * (h32 * rstd).to(dtype).to(tl.float32)
@@ -152,7 +155,7 @@ def _all_reduce_add_rms_norm_kernel(
 
 def all_reduce_add_rms_norm(
     x: torch.Tensor,  # [M, hidden] this rank's partial sum
-    residual: torch.Tensor,  # [M, hidden]
+    residual: torch.Tensor | None,  # [M, hidden]; None: the first layer's (nothing to add)
     weight: torch.Tensor,  # [hidden]
     eps: float,
     *,
@@ -163,28 +166,32 @@ def all_reduce_add_rms_norm(
     world_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual), both [M,
-    hidden] in x's dtype. Collective: every rank calls it with the same M, hidden and dtype
-    (calls of another hidden size or dtype use another data layout: a barrier must separate
-    them)."""
+    hidden] in x's dtype (without a residual: of sum_ranks(x) alone). Collective: every
+    rank calls it with the same M, hidden and dtype (calls of another hidden size or dtype
+    use another data layout: a barrier must separate them)."""
     num_rows, hidden = x.shape
     # Rows per half and rank in the data region: the layout every call of this hidden size
     # and dtype shares.
     rows = min(epochs.shape[0], data_bytes // (2 * world_size * hidden * x.element_size()))
     assert 0 < num_rows <= rows, f"{num_rows} rows, the buffers hold {rows}"
     assert world_size >= 2 and world_size & (world_size - 1) == 0, world_size
-    assert residual.shape == x.shape and residual.dtype == x.dtype
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.stride(1) == 1
     assert weight.shape == (hidden,) and weight.is_contiguous()
-    assert x.stride(1) == residual.stride(1) == 1
+    assert x.stride(1) == 1
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x)
     block_h = triton.next_power_of_2(hidden)
     pdl = pdl_enabled(x.device)
     _all_reduce_add_rms_norm_kernel[(num_rows,)](
-        x, residual, weight, out, residual_out,
+        x, residual if residual is not None else x, weight, out, residual_out,
         data_ptrs, epochs,
         eps, hidden, rows,
-        x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        residual_out.stride(0),
         RANK=rank, WORLD=world_size, BLOCK_H=block_h, PDL=pdl,
+        HAS_RESIDUAL=residual is not None,
         num_warps=4 if block_h <= 2048 else 8, launch_pdl=pdl,
     )
     return out, residual_out

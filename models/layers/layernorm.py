@@ -33,14 +33,17 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`: x + residual is normalized and also returned
-        as the new residual, i.e. (norm(x + residual), x + residual). With `reduce` (and a
-        residual), x is a tensor-parallel partial sum that is summed over the ranks first,
-        in one kernel with the add and the norm where the fast all-reduce covers it."""
-        if residual is None:
+        as the new residual, i.e. (norm(x + residual), x + residual). With `reduce`, x is a
+        tensor-parallel partial sum that is summed over the ranks first, in one kernel with
+        the add and the norm where the fast all-reduce covers it; the sum (plus the residual,
+        if any) is returned as the new residual."""
+        if residual is None and not reduce:
             return fused(rms_norm, x)(x, self.weight, self.eps)
         if reduce:
             done = tp_all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if done is not None:
                 return done
             x = tp_all_reduce(x)
+        if residual is None:
+            return fused(rms_norm, x)(x, self.weight, self.eps), x
         return fused(add_rms_norm, x)(x, residual, self.weight, self.eps)

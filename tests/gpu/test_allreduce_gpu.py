@@ -4,7 +4,11 @@ of every rank's input (gathered), eagerly and from a CUDA graph replayed with ne
 with one-shot and with two-shot; for aligned, offset and strided tensors; the logits
 all-gather built on it equals NCCL's bit for bit; and what it does
 not cover (too large, float16, odd sizes) still sums right through NCCL. The fused
-all-reduce + add + RMSNorm kernel matches the unfused path, with ranks bit-identical."""
+all-reduce + add + RMSNorm kernel matches the unfused path, with ranks bit-identical. The
+cross-rank argmax kernel (`tp_argmax`) answers as a plain-Python reference over every
+rank's candidates, call after call and from a replayed graph, and vocab-parallel sampling
+(race_partials on each rank's shard, then tp_argmax) draws what race_argmax draws on the
+full row."""
 
 from __future__ import annotations
 
@@ -13,14 +17,19 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.allreduce_bench import launch
-from models.layers.layernorm import add_rms_norm
+from models.kernels.sample import race_argmax, race_partials
+from models.layers.layernorm import add_rms_norm, rms_norm
 from models.parallel import (
+    _FAST,
+    ARGMAX_ROWS,
     init_fast_all_reduce,
     tp_all_gather_last_dim,
     tp_all_reduce,
     tp_all_reduce_add_rms_norm,
+    tp_argmax,
 )
 from tests.gpu.graphs import capture
+from tests.test_tp_argmax import SPECIAL_ROWS, candidates, expected
 
 pytestmark = pytest.mark.timeout(300)
 HIDDEN = 4096
@@ -108,7 +117,7 @@ def _graph_case(device: torch.device, rank: int, tag: str) -> None:
             _assert_sum(out, x, f"{tag} graph replay {step} {name}")
 
 
-def _fused_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+def _fused_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused path: the float32 sum of every rank's x in rank order, rounded to x's
     dtype, then the model's add + RMSNorm (eager torch)."""
@@ -117,11 +126,13 @@ def _fused_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     total = parts[0].float()
     for part in parts[1:]:
         total = total + part.float()
+    if residual is None:  # the first layer's call: the embedding's partial sums alone
+        return rms_norm(total.to(x.dtype), weight, eps), total.to(x.dtype)
     return add_rms_norm(total.to(x.dtype), residual, weight, eps)
 
 
 def _check_fused(got: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                 residual: torch.Tensor, weight: torch.Tensor, what: str) -> None:
+                 residual: torch.Tensor | None, weight: torch.Tensor, what: str) -> None:
     assert got is not None, f"{what}: the fused path did not take it"
     out, new_residual = got
     ref_out, ref_residual = _fused_reference(x, residual, weight, 1e-6)
@@ -149,6 +160,8 @@ def _fused_cases(device: torch.device, rank: int) -> None:
         weight = _random(shape[1:], dtype, device, seed=502 + 10 * i)
         _check_fused(tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6), x, residual,
                      weight, f"eager {shape} {dtype}")
+        _check_fused(tp_all_reduce_add_rms_norm(x, None, weight, 1e-6), x, None,
+                     weight, f"eager {shape} {dtype}, no residual")
         torch.cuda.synchronize()
         dist.barrier()  # another hidden size / dtype lays the buffer out differently
     # Values equal to the kernel's EMPTY marker (-0.0 in bf16, 0x80008000 in float32) must
@@ -229,10 +242,84 @@ def _gather_cases(device: torch.device, rank: int, tag: str) -> None:
         assert torch.equal(got, want), f"{tag} {name}: differs from NCCL's all-gather"
 
 
+def _argmax_cases(device: torch.device, rank: int) -> None:
+    """The cross-rank argmax kernel against a plain-Python reference over every rank's
+    candidates (tests/test_tp_argmax.py builds them: ties within and across ranks, -inf
+    and NaN rows, NO_INDEX): called directly and through tp_argmax, several calls in a row
+    with row counts that move the rows' parities apart, from a replayed CUDA graph; what it
+    does not take goes through NCCL; and vocab-parallel sampling end to end."""
+    world = dist.get_world_size()
+    fast = _FAST.impl
+    assert fast is not None
+    calls = [(SPECIAL_ROWS + 3, 38), (SPECIAL_ROWS + 3, 38), (1, 38), (3, 1), (2, 256),
+             (64, 7), (SPECIAL_ROWS, 38)]
+    for seed, (num_rows, num_candidates) in enumerate(calls):
+        values, indices = (t.to(device) for t in candidates(rank, world, num_rows,
+                                                             num_candidates, seed))
+        want = expected(world, num_rows, num_candidates, seed)
+        static = torch.full((num_rows + 2,), -7, dtype=torch.int64, device=device)
+        out = static[1:1 + num_rows]
+        got = fast.argmax(values, indices, out)
+        assert got is out, f"call {seed}: the kernel did not take [{num_rows}, {num_candidates}]"
+        assert got.tolist() == want, f"call {seed}: {got.tolist()} != {want}"
+        assert static[0].item() == static[-1].item() == -7, f"call {seed}: wrote outside out"
+        assert tp_argmax(values, indices).tolist() == want, f"call {seed}: tp_argmax"
+    # What the kernel does not take (more rows than its buffer, float64 values) goes
+    # through the torch path and NCCL, with the same answers.
+    for seed, (num_rows, dtype) in enumerate([(ARGMAX_ROWS + 1, torch.float32),
+                                              (5, torch.float64)], start=100):
+        values, indices = (t.to(device) for t in candidates(rank, world, num_rows, 3, seed))
+        values = values.to(dtype)
+        out = torch.empty(num_rows, dtype=torch.int64, device=device)
+        assert fast.argmax(values, indices, out) is None, f"{num_rows} rows of {dtype}"
+        want = expected(world, num_rows, 3, seed)
+        assert tp_argmax(values, indices).tolist() == want, f"NCCL path {num_rows} {dtype}"
+
+    # A graph of three calls (odd: each replay moves the rows' parities) on static inputs.
+    num_rows, num_candidates = SPECIAL_ROWS + 1, 38
+    values = torch.zeros(num_rows, num_candidates, device=device)
+    indices = torch.zeros(num_rows, num_candidates, dtype=torch.int32, device=device)
+    outs = torch.zeros(3, num_rows, dtype=torch.int64, device=device)
+
+    def body() -> None:
+        for k in range(3):
+            tp_argmax(values, indices, outs[k])
+
+    graph, _ = capture(body)
+    for step in range(4):
+        seed = 200 + step
+        new_values, new_indices = candidates(rank, world, num_rows, num_candidates, seed)
+        values.copy_(new_values)
+        indices.copy_(new_indices)
+        graph.replay()
+        want = expected(world, num_rows, num_candidates, seed)
+        for k in range(3):
+            assert outs[k].tolist() == want, f"graph replay {step} call {k}"
+        # Eager calls of other row counts in between.
+        eager = candidates(rank, world, step + 1, 5, seed + 50)
+        got = tp_argmax(*(t.to(device) for t in eager))
+        assert got.tolist() == expected(world, step + 1, 5, seed + 50), f"eager after {step}"
+
+    # Vocab-parallel sampling: every rank races its shard of the same logits and the
+    # exchange gives race_argmax of the full row, on every rank.
+    vocab = 151936
+    shard = vocab // world
+    gen = torch.Generator(device=device).manual_seed(31)
+    logits = (torch.randn(3, vocab, generator=gen, device=device) * 4).to(torch.bfloat16)
+    temps = torch.tensor([0.0, 0.7, 1.0], device=device)
+    seeds = torch.tensor([5, -6, 2**40], device=device)
+    steps = torch.tensor([0, 17, 3], device=device)
+    part_val, part_idx = race_partials(logits[:, rank * shard:(rank + 1) * shard], temps, seeds,
+                                       steps, vocab_offset=rank * shard)
+    got = tp_argmax(part_val, part_idx)
+    assert torch.equal(got, race_argmax(logits, temps, seeds, steps)), "vocab-parallel draw"
+
+
 def _rank(rank: int, world_size: int) -> None:
     device = torch.device("cuda", rank)
     # Default: one-shot for everything up to 8 MiB on two ranks (512 KiB on four).
     assert init_fast_all_reduce(device), "the fast path did not start (see the warning)"
+    _argmax_cases(device, rank)
     _fused_cases(device, rank)
     _gather_cases(device, rank, "one-shot")
     _eager_cases(device, rank, "one-shot")

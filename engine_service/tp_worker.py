@@ -71,7 +71,7 @@ import torch.distributed as dist
 
 from engine_service.sampling_params import SamplingParams
 from engine_service.scheduler import ScheduledSeq
-from models.layers.sampler import SAMPLING_EPS
+from models.layers.sampler import effective_temperature
 from models.parallel import disable_nvlink_multicast
 
 if TYPE_CHECKING:
@@ -121,8 +121,7 @@ def _sampling_fields(seq: Sequence) -> tuple[int, int, int]:
     """(temperature as float32 bits, seed high word, seed low word as a signed int32). The
     worker draws with the float32 temperature rank 0's sampler uses (its near-zero cut
     applied here, so rounding cannot move a row across it)."""
-    temperature = seq.sampling_params.temperature
-    temperature = 0.0 if temperature < SAMPLING_EPS else temperature
+    temperature = effective_temperature(seq.sampling_params.temperature)
     low = seq.seed & 0xFFFFFFFF
     return _float_bits(temperature), seq.seed >> 32, low - (1 << 32) if low >= 1 << 31 else low
 

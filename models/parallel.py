@@ -344,21 +344,27 @@ class SymmMemAllReduce:
                     raise RuntimeError(f"symmetric-memory {algorithm} all-reduce ({dtype}) "
                                        f"self-check: {wrong} of {numel} sums wrong")
 
+    def _map_emptied(self, buffer: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Collective: map every peer's copy of `buffer` (filled EMPTY on this rank first);
+        returns the handle and every rank's buffer address ([W] int64, on the device). Ends
+        in a barrier, so no rank writes into a peer's buffer before that peer emptied it."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        handle = symm_mem.rendezvous(buffer, self.group_name)
+        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        torch.cuda.synchronize(self.device)
+        dist.barrier()
+        return handle, ptrs
+
     def _rendezvous_fused(self) -> None:
         """Map the fused kernel's buffers, mark every slot empty, and check one call per
         dtype on known values (which also compiles the kernel before any graph capture)."""
-        from torch.distributed import _symmetric_memory as symm_mem
-
         from models.kernels.all_reduce_norm import fill_empty_
 
         if not self.fused_norm:
             return
         fill_empty_(self._fused_buffer)
-        self._fused_handle = symm_mem.rendezvous(self._fused_buffer, self.group_name)
-        ptrs = list(self._fused_handle.buffer_ptrs)
-        self._data_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
-        torch.cuda.synchronize(self.device)
-        dist.barrier()  # no rank writes into a peer's buffer before it is empty
+        self._fused_handle, self._data_ptrs = self._map_emptied(self._fused_buffer)
         hidden, expected = 4096, self.world_size * (self.world_size + 1) // 2 + 1
         for dtype in FAST_DTYPES:
             x = torch.full((2, hidden), self.rank + 1, dtype=dtype, device=self.device)
@@ -377,16 +383,10 @@ class SymmMemAllReduce:
         """Map the cross-rank argmax's buffers, mark every slot empty, and check two calls
         (both parities) on known values, which also compiles the kernel before any graph
         capture."""
-        from torch.distributed import _symmetric_memory as symm_mem
-
         from models.kernels.tp_argmax import fill_empty_words_
 
         fill_empty_words_(self._argmax_buffer)
-        self._argmax_handle = symm_mem.rendezvous(self._argmax_buffer, self.group_name)
-        ptrs = list(self._argmax_handle.buffer_ptrs)
-        self._argmax_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
-        torch.cuda.synchronize(self.device)
-        dist.barrier()  # no rank writes into a peer's buffer before it is empty
+        self._argmax_handle, self._argmax_ptrs = self._map_emptied(self._argmax_buffer)
         # Row 0: rank r offers S copies of r: the last rank's first candidate wins. Row 1:
         # every candidate ties; the lowest index is the last rank's first. Row 2: only -inf.
         world, num = self.world_size, 5

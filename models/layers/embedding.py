@@ -27,8 +27,8 @@ from models.parallel import (
 def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
                      vocab_end: int) -> torch.Tensor:
     """Rows of this rank's vocab range [vocab_start, vocab_end), zeros for other ids: summed
-    over the ranks, exactly one non-zero row per token. (Fused on CUDA: unfused it was 8
-    tiny kernels at the head of every decode step.)"""
+    over the ranks, exactly one non-zero row per token. (Fused on CUDA: its 8 elementwise
+    ops would each be a kernel at the head of every decode step.)"""
     in_range = (input_ids >= vocab_start) & (input_ids < vocab_end)  # [num_tokens]
     local_ids = (input_ids - vocab_start) * in_range
     return F.embedding(local_ids, weight) * in_range.unsqueeze(-1).to(weight.dtype)

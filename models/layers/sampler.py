@@ -26,6 +26,12 @@ from models.parallel import NO_INDEX, tp_argmax
 
 # Temperatures below this are treated as greedy: dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature a row draws with: 0 (greedy) below SAMPLING_EPS."""
+    return 0.0 if temperature < SAMPLING_EPS else temperature
+
 # Slack on the top-p boundary: a token whose preceding mass reaches top_p within float32
 # rounding of the softmax/cumsum is outside the nucleus (the smallest set with mass >= top_p).
 TOP_P_EPS = 1e-6
@@ -166,7 +172,7 @@ class SamplingTensors:
         uniform = b > 1 and all(p is params[0] for p in params)  # stops at the first other
         src = params[:1] if uniform else params
         temps = [float(p.temperature) for p in src]
-        temps = [0.0 if t < SAMPLING_EPS else t for t in temps]
+        temps = [effective_temperature(t) for t in temps]
         top_ks = [int(p.top_k) for p in src]
         top_ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_ks]
         top_ps = [float(p.top_p) for p in src]
@@ -300,8 +306,8 @@ def _shard_best(logits: torch.Tensor, t: SamplingTensors, vocab_offset: int
     """The torch path of sharded sampling: each row's best (value float32 [B, 1], global
     index int32 [B, 1]) over this shard, the values `forward` takes the argmax of; NO_INDEX
     where nothing is above -inf (NaN never wins, as in the kernel)."""
-    temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)  # [B]
-    perturbed = race_perturbed(logits / temps[:, None], t.seeds, t.sample_steps, vocab_offset)
+    perturbed = race_perturbed(Sampler._scale_and_mask(logits, t), t.seeds, t.sample_steps,
+                               vocab_offset)
     x = torch.where((t.temperatures > 0)[:, None], perturbed, logits)  # [B, V_rank]
     x = x.masked_fill(x.isnan(), -math.inf)
     best = x.argmax(dim=-1, keepdim=True)  # [B, 1], the first of equal values
@@ -336,8 +342,12 @@ class Sampler(nn.Module):
                 logits = torch.zeros(num_rows, vocab_size, dtype=logits_dtype, device=device)
                 race_argmax(logits, ints[0].float(), ints[1], ints[2])
 
+    def _kernel_for(self, logits: torch.Tensor) -> bool:
+        """Whether the Triton draw serves these logits (CUDA, triton installed, not off)."""
+        return self.use_kernel and logits.is_cuda and _triton_installed()
+
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        kernel = self.use_kernel and logits.is_cuda and _triton_installed()
+        kernel = self._kernel_for(logits)
         if kernel and t.temperature_only:
             # Nothing edits the logits: no float32 copy, read in the model's dtype (exact).
             if t.all_greedy:
@@ -370,7 +380,7 @@ class Sampler(nn.Module):
         perturbed logits, or the logits of greedy rows), so each rank takes the best of its
         shard and the ranks exchange one (value, index) per row instead of the logits."""
         assert t.temperature_only, "sharded sampling draws with temperature alone"
-        if self.use_kernel and logits.is_cuda and _triton_installed():
+        if self._kernel_for(logits):
             from models.kernels.sample import race_partials
 
             values, indices = race_partials(logits, t.temperatures, t.seeds, t.sample_steps,

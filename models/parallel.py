@@ -71,16 +71,43 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
+@dataclass(frozen=True)
+class PushedPartial:
+    """A row-parallel layer's partial sums that are not in a tensor: its GEMV wrote them
+    straight into every rank's fused all-reduce buffer (`tp_linear_push`). Only
+    `tp_all_reduce_add_rms_norm` consumes one, as the next launch."""
+
+    shape: tuple[int, int]  # [num_tokens, hidden]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def tp_linear_push(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> PushedPartial | None:
+    """Row-parallel `x @ weight.T (+ bias)` whose partial sums go straight from the GEMV's
+    programs into the fused all-reduce + RMSNorm kernel's buffers, where that kernel serves
+    the result and the Triton GEMV serves the shape (batch-1 decode); None otherwise (the
+    caller runs the linear itself). Saves the all-reduce kernel the wait for the GEMV to
+    finish, the re-read of its output and the push to the peers. The answer depends only
+    on what every rank shares, so all ranks take the same branch; the result must go to
+    `tp_all_reduce_add_rms_norm` next."""
+    if get_tp_size() > 1 and _FAST.impl is not None:
+        return _FAST.impl.linear_push(x, weight, bias)
+    return None
+
+
+def tp_all_reduce_add_rms_norm(x: torch.Tensor | PushedPartial, residual: torch.Tensor | None,
                                weight: torch.Tensor, eps: float
                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual) in one fused
     kernel when the symmetric-memory fast path covers x (no residual: of the sum alone,
-    for the first layer); None otherwise (the caller then
-    all-reduces and normalizes on its own). The answer depends only on what every rank
-    shares (shape, dtype, the fast path being on), so all ranks take the same branch."""
+    for the first layer); None otherwise (the caller then all-reduces and normalizes on
+    its own). x may be a PushedPartial, which the fused kernel always takes. The answer
+    depends only on what every rank shares (shape, dtype, the fast path being on), so all
+    ranks take the same branch."""
     if get_tp_size() > 1 and _FAST.impl is not None:
         return _FAST.impl.all_reduce_add_rms_norm(x, residual, weight, eps)
+    assert not isinstance(x, PushedPartial), "a pushed partial without the fast path"
     return None
 
 
@@ -316,7 +343,10 @@ class SymmMemAllReduce:
         ) if self.fused_norm else None
         self._fused_handle: Any = None
         self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
-        self._data_ptrs: torch.Tensor | None = None
+        self._norm_buffers: Any = None  # models.kernels.all_reduce_norm.NormBuffers, mapped
+        # GEMVs push into those buffers unless NANOSERVE_PUSH_PARTIALS is "0" (for A/B runs
+        # and the pushed-vs-unpushed token test; workers inherit rank 0's environment).
+        self.push_partials = os.environ.get("NANOSERVE_PUSH_PARTIALS", "1") != "0"
         # The cross-rank argmax's words, [2 parity][W src][ARGMAX_ROWS], in a buffer of its
         # own (its layout never changes, so no call of another kernel has to wait for it).
         self._argmax_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
@@ -359,12 +389,14 @@ class SymmMemAllReduce:
     def _rendezvous_fused(self) -> None:
         """Map the fused kernel's buffers, mark every slot empty, and check one call per
         dtype on known values (which also compiles the kernel before any graph capture)."""
-        from models.kernels.all_reduce_norm import fill_empty_
+        from models.kernels.all_reduce_norm import NormBuffers, fill_empty_
 
         if not self.fused_norm:
             return
         fill_empty_(self._fused_buffer)
-        self._fused_handle, self._data_ptrs = self._map_emptied(self._fused_buffer)
+        self._fused_handle, data_ptrs = self._map_emptied(self._fused_buffer)
+        self._norm_buffers = NormBuffers(data_ptrs, self._fused_data_bytes, self._epochs,
+                                         self.rank, self.world_size)
         hidden, expected = 4096, self.world_size * (self.world_size + 1) // 2 + 1
         for dtype in FAST_DTYPES:
             x = torch.full((2, hidden), self.rank + 1, dtype=dtype, device=self.device)
@@ -426,24 +458,40 @@ class SymmMemAllReduce:
                           epochs=self._argmax_epochs, rank=self.rank,
                           world_size=self.world_size, rows=ARGMAX_ROWS)
 
-    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                                weight: torch.Tensor, eps: float
+    def all_reduce_add_rms_norm(self, x: torch.Tensor | PushedPartial,
+                                residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fused kernel's (normalized, new residual), or None where it does not apply:
         a group, dtype or size it does not cover, or a layout it does not read. (A message
-        within FUSED_NORM_MAX_BYTES also fits the data halves, 2 * W times that size.)"""
+        within FUSED_NORM_MAX_BYTES also fits the data halves, 2 * W times that size.) A
+        PushedPartial passed `linear_push`'s checks, which are these."""
         from models.kernels.all_reduce_norm import all_reduce_add_rms_norm
 
-        if (not self.fused_norm or not x.is_cuda or x.dim() != 2
-                or x.dtype not in FAST_DTYPES
-                or x.numel() * x.element_size() > FUSED_NORM_MAX_BYTES
-                or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1)
-                or not 0 < x.shape[0] <= FUSED_NORM_ROWS):
+        if isinstance(x, PushedPartial):
+            assert residual is None or residual.stride(-1) == 1
+        elif (not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1
+              or not self._fused_norm_covers(*x.shape, x.dtype)
+              or (residual is not None and residual.stride(-1) != 1)):
             return None
-        return all_reduce_add_rms_norm(
-            x, residual, weight, eps, data_ptrs=self._data_ptrs,
-            data_bytes=self._fused_data_bytes, epochs=self._epochs, rank=self.rank,
-            world_size=self.world_size)
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self._norm_buffers)
+
+    def _fused_norm_covers(self, num_rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        """Whether the fused kernel takes a [num_rows, hidden] message of `dtype`."""
+        return (self._norm_buffers is not None and dtype in FAST_DTYPES
+                and 0 < num_rows <= FUSED_NORM_ROWS
+                and num_rows * hidden * dtype.itemsize <= FUSED_NORM_MAX_BYTES)
+
+    def linear_push(self, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> PushedPartial | None:
+        """`tp_linear_push` where the Triton GEMV serves the shape without splitting K and
+        the fused norm will take its output; else None."""
+        from models.kernels.gemv import choose_config, gemv_push, use_gemv
+
+        if (not self.push_partials or not use_gemv(x, weight)
+                or choose_config(*weight.shape, x.dtype).split_k > 1
+                or not self._fused_norm_covers(x.shape[0], weight.shape[0], x.dtype)):
+            return None
+        return gemv_push(x, weight, bias, self._norm_buffers)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
@@ -496,7 +544,7 @@ class SymmMemAllReduce:
         self._buffer = None
         self._fused_handle = None
         self._fused_buffer = None
-        self._data_ptrs = None
+        self._norm_buffers = None
         self._argmax_handle = None
         self._argmax_buffer = None
         self._argmax_ptrs = None

@@ -26,7 +26,7 @@ from models.layers.linear import (
     fused_gemv,
 )
 from models.layers.rotary import RotaryEmbedding
-from models.parallel import get_tp_size
+from models.parallel import PushedPartial, get_tp_size
 
 
 class Qwen3Attention(nn.Module):
@@ -54,11 +54,11 @@ class Qwen3Attention(nn.Module):
         self._fused_store = backend.qk_norm_rope_store
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor | PushedPartial:
         return self.attend(positions, self.qkv_proj(hidden_states), meta)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata) -> torch.Tensor | PushedPartial:
         """qkv [T, (H + 2 * Hkv) * D] (this rank's heads) -> o_proj's output [T, hidden]."""
         kv_cache = self.attn.kv_cache
         if self._fused_store is not None and kv_cache is not None:
@@ -87,7 +87,7 @@ class Qwen3MLP(nn.Module):
                                            bias=False, reduce_results=False)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PushedPartial:
         weight = self.gate_up_proj.weight
         if batch1_gemv_applies(x, weight, silu_mul=True):
             # One launch for the GEMV and SiLU-and-mul (at batch 1 the activation kernel
@@ -104,11 +104,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PushedPartial,
+                residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor | PushedPartial, torch.Tensor]:
         # The residual add is fused into the next norm, and so is the tensor-parallel sum
-        # of the attention and MLP outputs: returns (mlp partial output, residual).
+        # of the attention and MLP outputs: returns (mlp partial output, residual). At TP >
+        # 1 and batch 1 the partials are pushed: o_proj's and down_proj's GEMVs write them
+        # into the all-reduce kernel's buffers, which the next norm reads.
         if self._norms_into_gemvs(hidden_states):
             return self._forward_batch1(positions, hidden_states, residual, meta)
         # The first layer's input is the embedding's partial sum (residual None).
@@ -118,7 +120,7 @@ class Qwen3DecoderLayer(nn.Module):
                                                                 reduce=True)
         return self.mlp(hidden_states), residual
 
-    def _norms_into_gemvs(self, x: torch.Tensor) -> bool:
+    def _norms_into_gemvs(self, x: torch.Tensor | PushedPartial) -> bool:
         """Batch-1 decode on one rank (with more, a norm's input is a partial sum that the
         all-reduce kernel normalizes), where the fused GEMV serves both projections."""
         if get_tp_size() > 1:

@@ -227,21 +227,28 @@ def _fused_gemv_cases() -> list[Any]:
 
 
 def _gemv_case(n: int, k: int, dtype: str, cfg: gemv.GemvConfig, has_bias: bool,
-               m: int = 1) -> Case:
+               m: int = 1, push: tuple[int, int] | None = None) -> Case:
+    """push: (rank, world size) of a launch that pushes into the fused norm's buffers."""
     itemsize = 4 if dtype == "fp32" else 2
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    rank, world = push or (0, 1)
+    push_dtype = "i64" if push else dtype  # without a push the launcher passes x
     return Case(
         kernel=gemv._gemv_kernel,
         pointers={**_ptrs(dtype, "x_ptr", "w_ptr", "b_ptr", "out_ptr"),
-                  **_ptrs("fp32" if k_chunk < k else dtype, "ws_ptr")},
+                  **_ptrs("fp32" if k_chunk < k else dtype, "ws_ptr"),
+                  **_ptrs(push_dtype, "push_ptrs"),
+                  **_ptrs("i32" if push else dtype, "epochs_ptr")},
         constexprs=dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=16 // itemsize,
                         USE_MMA=cfg.kind == "mma",
                         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
                         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=has_bias,
                         SPLIT_K=k_chunk < k, PDL=True,
-                        ROWS=gemv.row_bucket(cfg, m)),
+                        ROWS=gemv.row_bucket(cfg, m), PUSH=push is not None, RANK=rank,
+                        WORLD=world),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ints=dict(M=m, N=n, K=k, stride_xm=k, stride_om=n, k_chunk=k_chunk),
+        ints=dict(M=m, N=n, K=k, stride_xm=k, stride_om=n, k_chunk=k_chunk,
+                  data_rows=min(1024, 256 * 1024 // (n * itemsize)) if push else 0),
     )
 
 
@@ -268,6 +275,17 @@ def _gemv_cases() -> list[Any]:
     for label, n, k, dtype, cfg, has_bias in extra:
         cases.append(pytest.param(_gemv_case(n, k, dtype, cfg, has_bias, m=4),
                                   id=f"gemv-{label}-n{n}-k{k}-{dtype}"))
+    # Row-parallel shards that push their partials into the fused norm's buffers (TP=2 and
+    # TP=4 o_proj and down of the 8B; one rank each: RANK only picks the order of the
+    # stores), a biased fma one, and a 2-row one.
+    pushes = [(4096, 2048, "bf16", 2, 1, False), (4096, 6144, "bf16", 2, 1, False),
+              (4096, 1024, "bf16", 4, 1, False), (4096, 3072, "bf16", 4, 1, False),
+              (1024, 3072, "bf16", 2, 1, True), (1536, 4096, "bf16", 4, 2, False)]
+    for n, k, dtype, world, m, has_bias in pushes:
+        cfg = gemv.choose_config(n, k, torch.bfloat16)
+        cases.append(pytest.param(
+            _gemv_case(n, k, dtype, cfg, has_bias, m=m, push=(world - 1, world)),
+            id=f"gemv-push-n{n}-k{k}-{dtype}-w{world}-m{m}-{cfg.kind}"))
     # The other fma row buckets (each its own compile; bucket 4 is above).
     for m in (2, 8):
         cases.append(pytest.param(
@@ -385,6 +403,8 @@ def _all_reduce_norm_cases() -> list[Any]:
             for rank in range(world) if world <= 4 else (0, world - 1):
                 # Layer 0's call has no residual (the embedding's partial sum alone).
                 has_residual = rank != world - 1 or world == 2
+                # A call whose partials a GEMV pushed (the 8B's TP=2/4 decode layers).
+                pushed = hidden == 4096 and dt == "bf16" and world <= 4 and rank == 0
                 case = Case(
                     kernel=all_reduce_norm._all_reduce_add_rms_norm_kernel,
                     pointers={**_ptrs(dt, "x_ptr", "residual_ptr", "weight_ptr", "out_ptr",
@@ -392,7 +412,7 @@ def _all_reduce_norm_cases() -> list[Any]:
                               **_ptrs("i64", "data_ptrs"),
                               **_ptrs("i32", "epochs_ptr")},
                     constexprs=dict(RANK=rank, WORLD=world, BLOCK_H=block_h, PDL=True,
-                                    HAS_RESIDUAL=has_residual),
+                                    HAS_RESIDUAL=has_residual, PUSHED=False),
                     num_warps=4 if block_h <= 2048 else 8,
                     ints=dict(hidden=hidden, data_rows=data_rows,
                               stride_x=hidden, stride_r=hidden, stride_o=hidden,
@@ -402,6 +422,10 @@ def _all_reduce_norm_cases() -> list[Any]:
                 cases.append(pytest.param(
                     case, id=f"all_reduce_norm-h{hidden}-{dt}-w{world}-r{rank}"
                              f"{'' if has_residual else '-first'}"))
+                if pushed:
+                    cases.append(pytest.param(
+                        replace(case, constexprs={**case.constexprs, "PUSHED": True}),
+                        id=f"all_reduce_norm-pushed-h{hidden}-{dt}-w{world}-r{rank}"))
     return cases
 
 

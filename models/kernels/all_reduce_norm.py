@@ -35,15 +35,28 @@ the buffer empty again, so a CUDA graph of these calls replays any number of tim
 
 All ranks must launch the same calls with the same row counts (they do: TP ranks run the
 same forward), or a rank waits forever for a row that never comes.
+
+Pushed calls: at batch-1 decode the partial sums come from a row-parallel Triton GEMV
+(o_proj, down_proj), and its programs can do step 1 themselves (`push_partial`, called from
+models/kernels/gemv.py's `gemv_push`): each program stores its few output columns into slot
+[parity][rank][row] of every rank's buffer, its own included, as it finishes. The kernel
+then starts with step 2, before waiting for the GEMV to finish: it takes all W rows as they
+land, and only its stores wait (its outputs may reuse memory that the GEMV still reads).
+That removes from every such call the wait for the GEMV's completion, the re-read of its
+output and the push. The two halves stay safe: a rank pushes call k+1 from a GEMV that
+starts only after its call k finished reading and re-emptying.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
+from models.parallel import PushedPartial
 
 # The 16-bit word an empty slot is filled with (0x8000 as int16): EMPTY in every dtype.
 EMPTY_WORD = -32768
@@ -80,6 +93,15 @@ def _data_pointer(data_ptrs, rank, dtype: tl.constexpr):
 
 
 @triton.jit
+def _word_pointer(data_ptrs, rank, dtype: tl.constexpr):
+    """Rank `rank`'s data region as a pointer to the integer words of `dtype`'s width."""
+    if dtype.primitive_bitwidth == 16:
+        return _data_pointer(data_ptrs, rank, tl.int16)
+    else:
+        return _data_pointer(data_ptrs, rank, tl.int32)
+
+
+@triton.jit
 def _slot_offsets(half, src, row, data_rows, hidden, offs):
     """Element offsets of row `row`'s slot from rank `src` (layout [parity][src][data_rows]
     [hidden]; `half` = parity * WORLD), at columns `offs`."""
@@ -101,97 +123,165 @@ def _take_rows(ptrs, mask):
 
 
 @triton.jit
+def push_partial(data_ptrs, epochs_ptr, data_rows, row, col, vals, mask, hidden,
+                 RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Store `vals` (this rank's partial sums at [row, col], in the model dtype) into slot
+    [parity][RANK][row] of every rank's buffer, this rank's own included: what a PUSHED
+    call of the kernel below takes. For a GEMV's epilogue, whose programs each own a few
+    columns: the row arrives as the programs finish, with no kernel boundary and no copy
+    between the GEMV and the sum. The call count is read here, like the kernel does it."""
+    row = row + tl.zeros(mask.shape, tl.int32)  # row and col may be scalars, or broadcast
+    half = (tl.load(epochs_ptr + row, mask=mask, other=0) & 1) * WORLD
+    words = _to_words(vals)
+    offs = _slot_offsets(half, RANK, row, data_rows, hidden, col)
+    for dst in tl.static_range(WORLD):
+        tl.store(_data_pointer(data_ptrs, dst, words.dtype) + offs, words, mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_row(rows, srcs, residual, weight, eps, hidden, dtype: tl.constexpr,
+                      WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """rows [WORLD, BLOCK_H] float32 (every rank's partial) -> (normalized row, new
+    residual) in `dtype`. The sum goes in rank order 0..W-1 in float32 on every rank, so
+    every rank gets bit-identical hidden states."""
+    acc = tl.zeros([rows.shape[1]], dtype=tl.float32)
+    for src in tl.static_range(WORLD):
+        acc += tl.sum(tl.where(srcs == src, rows, 0.0), axis=0)  # row src, plus exact zeros
+    h = acc.to(dtype)  # what the all-reduce would have returned
+    if HAS_RESIDUAL:
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+    h32 = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h32 * h32, axis=0) / hidden + eps)
+    return (weight.to(tl.float32) * (h32 * rstd).to(dtype).to(tl.float32)).to(dtype), h
+
+
+@triton.jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     data_ptrs, epochs_ptr,
     eps, hidden, data_rows,
     stride_x, stride_r, stride_o, stride_ro,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, PUSHED: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # no kernel writes it
-    # The rest after the wait: x and the residual come from earlier kernels, and the call
-    # count from this kernel's previous call, which may be the kernel right before.
-    wait_for_prior_kernel(PDL)
-    epoch = tl.load(epochs_ptr + row)
-    half = (epoch & 1) * WORLD  # data layout [parity][src][data_rows][hidden]
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
-    dtype = x.dtype
-    words = _to_words(x)
-    # This rank's row goes to the same place in every peer's buffer.
-    slot = _slot_offsets(half, RANK, row, data_rows, hidden, 0)  # the row's start
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            peer_data = _data_pointer(data_ptrs, peer, words.dtype)
-            tl.store(peer_data + slot + offs, words, mask=mask)
-
     srcs = tl.arange(0, WORLD)[:, None]  # [WORLD, 1]
-    peer_slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])
-    own_data = _data_pointer(data_ptrs, RANK, words.dtype)
-    # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
-    peer_words = _take_rows(own_data + peer_slots, mask[None, :] & (srcs != RANK))
-    # What the peers received, not x: where x held EMPTY they add its replacement, and so
-    # must this rank, or the ranks' hidden states could differ in a bit.
-    rows = tl.where(srcs == RANK, words[None, :], peer_words).to(dtype, bitcast=True)
-    rows = rows.to(tl.float32)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for src in tl.static_range(WORLD):  # rank order on every rank: identical sums
-        acc += tl.sum(tl.where(srcs == src, rows, 0.0), axis=0)  # row src, plus exact zeros
-    reduced = acc.to(dtype)  # what the all-reduce would have returned
-    h = reduced  # the new residual: the sum, plus the old residual if there is one
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        h = (reduced.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-    h32 = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h32 * h32, axis=0) / hidden + eps)
-    out = weight.to(tl.float32) * (h32 * rstd).to(dtype).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # no kernel writes it
+    if PUSHED:
+        # The previous kernel (a GEMV) pushed this rank's row itself (push_partial), so
+        # nothing here needs it finished until the outputs are written: the rows are
+        # taken as they land, and the next kernel may launch now. The call count and the
+        # residual come from kernels that finished before that GEMV started (each PDL
+        # kernel waits before it exits, and the GEMV started after its own wait).
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        epoch = tl.load(epochs_ptr + row)
+        half = (epoch & 1) * WORLD  # data layout [parity][src][data_rows][hidden]
+        residual = weight  # unused without a residual
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])
+        rows = _take_rows(_word_pointer(data_ptrs, RANK, dtype) + slots, mask[None, :])
+        rows = rows.to(dtype, bitcast=True)
+        out, h = _add_rms_norm_row(rows.to(tl.float32), srcs, residual, weight, eps, hidden,
+                                   dtype, WORLD, HAS_RESIDUAL)
+        # The outputs may reuse memory that the GEMV still reads (its input, freed by the
+        # caller as soon as the launch returned).
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+    else:
+        # The rest after the wait: x and the residual come from earlier kernels, and the
+        # call count from this kernel's previous call, which may be the kernel right before.
+        wait_for_prior_kernel(PDL)
+        epoch = tl.load(epochs_ptr + row)
+        half = (epoch & 1) * WORLD
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
+        residual = weight
+        if HAS_RESIDUAL:  # loaded before the wait for the peers, not after it
+            residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        words = _to_words(x)
+        # This rank's row goes to the same place in every peer's buffer.
+        slot = _slot_offsets(half, RANK, row, data_rows, hidden, 0)  # the row's start
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                peer_data = _data_pointer(data_ptrs, peer, words.dtype)
+                tl.store(peer_data + slot + offs, words, mask=mask)
+        peer_slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])
+        own_data = _data_pointer(data_ptrs, RANK, words.dtype)
+        # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
+        peer_words = _take_rows(own_data + peer_slots, mask[None, :] & (srcs != RANK))
+        # What the peers received, not x: where x held EMPTY they add its replacement, and
+        # so must this rank, or the ranks' hidden states could differ in a bit.
+        rows = tl.where(srcs == RANK, words[None, :], peer_words).to(dtype, bitcast=True)
+        out, h = _add_rms_norm_row(rows.to(tl.float32), srcs, residual, weight, eps, hidden,
+                                   dtype, WORLD, HAS_RESIDUAL)
     tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
-    tl.store(out_ptr + row * stride_o + offs, out.to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
     tl.store(epochs_ptr + row, epoch + 1)
 
 
+@dataclass(frozen=True)
+class NormBuffers:
+    """One rank's view of the fused kernel's symmetric buffers: what every call (and every
+    GEMV that pushes into them) needs."""
+
+    data_ptrs: torch.Tensor  # [W] int64: every rank's data region (symmetric memory)
+    data_bytes: int  # size of each data region, filled by fill_empty_ before the first call
+    epochs: torch.Tensor  # [max rows] int32: this rank's call count per row, zeroed
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2 or self.world_size & (self.world_size - 1):
+            raise ValueError(f"world_size must be a power of two >= 2, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+    def rows(self, hidden: int, element_size: int) -> int:
+        """Rows per half and rank in the data region: the layout every call of this hidden
+        size and dtype shares."""
+        per_row = 2 * self.world_size * hidden * element_size
+        return min(self.epochs.shape[0], self.data_bytes // per_row)
+
+
 def all_reduce_add_rms_norm(
-    x: torch.Tensor,  # [M, hidden] this rank's partial sum
+    x: torch.Tensor | PushedPartial,  # [M, hidden] this rank's partial sum, or where it went
     residual: torch.Tensor | None,  # [M, hidden]; None: the first layer's (nothing to add)
     weight: torch.Tensor,  # [hidden]
     eps: float,
-    *,
-    data_ptrs: torch.Tensor,  # [W] int64: every rank's data region (symmetric memory)
-    data_bytes: int,  # size of each data region, filled by fill_empty_ before the first call
-    epochs: torch.Tensor,  # [max rows] int32: this rank's call count per row, zeroed
-    rank: int,
-    world_size: int,
+    buffers: NormBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual), both [M,
-    hidden] in x's dtype (without a residual: of sum_ranks(x) alone). Collective: every
-    rank calls it with the same M, hidden and dtype (calls of another hidden size or dtype
-    use another data layout: a barrier must separate them)."""
+    hidden] in x's dtype (without a residual: of sum_ranks(x) alone). x is a tensor, or a
+    PushedPartial: a GEMV already wrote this rank's partial into every rank's buffer
+    (models/kernels/gemv.py, `gemv_push`), the launch right before this one. Collective:
+    every rank calls it with the same M, hidden and dtype (calls of another hidden size or
+    dtype use another data layout: a barrier must separate them)."""
+    pushed = isinstance(x, PushedPartial)
     num_rows, hidden = x.shape
-    # Rows per half and rank in the data region: the layout every call of this hidden size
-    # and dtype shares.
-    rows = min(epochs.shape[0], data_bytes // (2 * world_size * hidden * x.element_size()))
+    rows = buffers.rows(hidden, x.dtype.itemsize)
     assert 0 < num_rows <= rows, f"{num_rows} rows, the buffers hold {rows}"
-    assert world_size >= 2 and world_size & (world_size - 1) == 0, world_size
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
         assert residual.stride(1) == 1
     assert weight.shape == (hidden,) and weight.is_contiguous()
-    assert x.stride(1) == 1
-    out = torch.empty_like(x)
-    residual_out = torch.empty_like(x)
+    assert pushed or x.stride(1) == 1
+    out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out)
+    source = out if pushed else x  # a pushed call reads no x
     block_h = triton.next_power_of_2(hidden)
     pdl = pdl_enabled(x.device)
     _all_reduce_add_rms_norm_kernel[(num_rows,)](
-        x, residual if residual is not None else x, weight, out, residual_out,
-        data_ptrs, epochs,
+        source, residual if residual is not None else out, weight, out, residual_out,
+        buffers.data_ptrs, buffers.epochs,
         eps, hidden, rows,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        source.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0),
-        RANK=rank, WORLD=world_size, BLOCK_H=block_h, PDL=pdl,
-        HAS_RESIDUAL=residual is not None,
+        RANK=buffers.rank, WORLD=buffers.world_size, BLOCK_H=block_h, PDL=pdl,
+        HAS_RESIDUAL=residual is not None, PUSHED=pushed,
         num_warps=4 if block_h <= 2048 else 8, launch_pdl=pdl,
     )
     return out, residual_out

@@ -27,6 +27,10 @@ partials go to a float32 workspace by atomic_add and a second small kernel adds 
 casts into `out` and zeroes the workspace again, so one zeroed workspace (gemv_workspace)
 serves every later call and CUDA-graph replay without a memset.
 
+`gemv_push` is the row-parallel variant for tensor-parallel decode: its programs store their
+outputs, the rank's partial sums, straight into every rank's fused all-reduce + RMSNorm
+buffer (models/kernels/all_reduce_norm.py) instead of into a tensor.
+
 Nothing here reads device values on the host, and with `out` and `workspace` given nothing
 is allocated, so calls can be captured in CUDA graphs (a caller can keep one workspace of
 MAX_M x the widest N per device and pass it to every call; unused when K is not split).
@@ -40,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.all_reduce_norm import NormBuffers, push_partial
 from models.kernels.pdl import pdl_for_weight, prefetch_weight_rows, wait_for_prior_kernel
+from models.parallel import PushedPartial
 
 MAX_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -175,16 +181,23 @@ def gemv_workspace(max_m: int, n: int, device: torch.device | str) -> torch.Tens
 
 @triton.jit
 def _store_out(out_ptr, ws_ptr, b_ptr, m, n, vals, M, N, stride_om,
-               HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+               push_ptrs, epochs_ptr, data_rows, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr, PUSH: tl.constexpr, RANK: tl.constexpr,
+               WORLD: tl.constexpr):
     """Write float32 `vals` at rows `m`, columns `n` (broadcastable to vals): the split-K
-    workspace by atomic_add, else bias + cast into out."""
+    workspace by atomic_add, else bias + cast into out, or with PUSH into every rank's
+    fused all-reduce buffer instead (push_ptrs, epochs_ptr, data_rows: its layout)."""
     mask = n < tl.where(m < M, N, 0)  # rows past M store nothing
     if SPLIT_K:
         tl.atomic_add(ws_ptr + m * N + n, vals, mask=mask, sem="relaxed")
     else:
         if HAS_BIAS:
             vals += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + n, vals.to(out_ptr.dtype.element_ty), mask=mask)
+        vals = vals.to(out_ptr.dtype.element_ty)
+        if PUSH:
+            push_partial(push_ptrs, epochs_ptr, data_rows, m, n, vals, mask, N, RANK, WORLD)
+        else:
+            tl.store(out_ptr + m * stride_om + n, vals, mask=mask)
 
 
 @triton.jit
@@ -199,10 +212,11 @@ def _fma_row(w, x_ptrs, in_k, m: tl.constexpr, M, stride_xm, EVEN_K: tl.constexp
 
 @triton.jit
 def _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
-              offs_n, rows, k_start, k_end,
+              offs_n, rows, k_start, k_end, push_ptrs, epochs_ptr, data_rows,
               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               VEC: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-              SPLIT_K: tl.constexpr):
+              SPLIT_K: tl.constexpr, PUSH: tl.constexpr, RANK: tl.constexpr,
+              WORLD: tl.constexpr):
     KV: tl.constexpr = BLOCK_K // VEC
     k_in = tl.arange(0, KV)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [KV, VEC]
     w_ptrs = w_ptr + rows[:, None, None] * K + k_in[None, :, :]  # [BLOCK_N, KV, VEC]
@@ -238,24 +252,24 @@ def _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_o
             acc7 += _fma_row(w, x_ptrs + k0, in_k, 7, M, stride_xm, EVEN_K)
     # The cross-lane / cross-warp part of the K reduction, once per program.
     _store_out(out_ptr, ws_ptr, b_ptr, 0, offs_n, tl.sum(acc0, axis=1), M, N, stride_om,
-               HAS_BIAS, SPLIT_K)
+               push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
     if ROWS > 1:
         _store_out(out_ptr, ws_ptr, b_ptr, 1, offs_n, tl.sum(acc1, axis=1), M, N, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
     if ROWS > 2:
         _store_out(out_ptr, ws_ptr, b_ptr, 2, offs_n, tl.sum(acc2, axis=1), M, N, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
         _store_out(out_ptr, ws_ptr, b_ptr, 3, offs_n, tl.sum(acc3, axis=1), M, N, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
     if ROWS > 4:
         _store_out(out_ptr, ws_ptr, b_ptr, 4, offs_n, tl.sum(acc4, axis=1), M, N, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
         _store_out(out_ptr, ws_ptr, b_ptr, 5, offs_n, tl.sum(acc5, axis=1), M, N, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
         _store_out(out_ptr, ws_ptr, b_ptr, 6, offs_n, tl.sum(acc6, axis=1), M, N, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
         _store_out(out_ptr, ws_ptr, b_ptr, 7, offs_n, tl.sum(acc7, axis=1), M, N, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
 
 
 @triton.jit
@@ -284,11 +298,12 @@ def _mma_tile(x_ptr, w_ptr, M, K, stride_xm, rows, k_start, k_end,
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, stride_xm, stride_om, k_chunk,
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, push_ptrs, epochs_ptr,
+    M, N, K, stride_xm, stride_om, k_chunk, data_rows,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_MMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+    PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last tile re-reads row N-1 instead of masking every weight load; its stores are
@@ -307,11 +322,12 @@ def _gemv_kernel(
                         BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         cols = tl.arange(0, _MMA_ROWS)
         _store_out(out_ptr, ws_ptr, b_ptr, cols[None, :], offs_n[:, None], acc, M, N,
-                   stride_om, HAS_BIAS, SPLIT_K)
+                   stride_om, push_ptrs, epochs_ptr, data_rows, HAS_BIAS, SPLIT_K, PUSH,
+                   RANK, WORLD)
     else:
         _fma_tile(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_om,
-                  offs_n, rows, k_start, k_end, ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                  HAS_BIAS, SPLIT_K)
+                  offs_n, rows, k_start, k_end, push_ptrs, epochs_ptr, data_rows, ROWS,
+                  BLOCK_N, BLOCK_K, VEC, EVEN_K, HAS_BIAS, SPLIT_K, PUSH, RANK, WORLD)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -357,6 +373,59 @@ def gemv(
     (gemv_workspace) too; the workspace is left zeroed. Split-K adds partials in whatever
     order programs finish, so those results may differ between calls in the last bits.
     """
+    num_rows, k = _check_operands(x, weight, bias)
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, n) and out.dtype == x.dtype and out.stride(-1) == 1
+    if num_rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(num_rows, n)) if bias is not None else out.zero_()
+    cfg = config or choose_config(n, k, x.dtype)
+    k_chunk = _k_chunk(k, cfg)
+    split = k_chunk < k
+    if split:
+        if workspace is None:
+            workspace = gemv_workspace(num_rows, n, x.device)
+        assert workspace.dtype == torch.float32 and workspace.is_contiguous()
+        assert workspace.numel() >= num_rows * n, "workspace smaller than M * N"
+    _launch(x, weight, bias, out, workspace if split else out, cfg, k_chunk)
+    if split:
+        pdl = pdl_for_weight(x, weight)
+        _split_k_finalize_kernel[(triton.cdiv(num_rows * n, _FINALIZE_BLOCK),)](
+            workspace, bias if bias is not None else out, out, num_rows, n, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=_FINALIZE_BLOCK, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
+        )
+    return out
+
+
+def gemv_push(
+    x: torch.Tensor,  # [M, K], 1 <= M <= MAX_M, last dim contiguous
+    weight: torch.Tensor,  # [N, K] contiguous: a row-parallel shard, N = hidden size
+    bias: torch.Tensor | None,  # [N], on one rank only (it is added once to the sum)
+    buffers: NormBuffers,
+) -> PushedPartial:
+    """`gemv` whose output rows, this rank's partial sums, go straight into slot [parity]
+    [rank][row] of every rank's fused all-reduce buffer instead of into a tensor. The next
+    launch on the stream must be `all_reduce_add_rms_norm` of the returned PushedPartial
+    (collective, like it: every rank pushes the same shape). Never split along K: the
+    workspace would need a finalize kernel between the two."""
+    num_rows, k = _check_operands(x, weight, bias)
+    n = weight.shape[0]
+    cfg = choose_config(n, k, x.dtype)
+    data_rows = buffers.rows(n, x.element_size())
+    assert 0 < num_rows <= data_rows and k > 0, (num_rows, k, data_rows)
+    k_chunk = _k_chunk(k, cfg)
+    assert k_chunk >= k, f"{cfg} splits K: it cannot push"
+    # `x` stands in for out and the workspace: a pushing launch writes neither.
+    _launch(x, weight, bias, x, x, cfg, k_chunk, buffers=buffers, data_rows=data_rows)
+    return PushedPartial((num_rows, n), x.dtype, x.device)
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[int, int]:
     num_rows, k = x.shape
     n = weight.shape[0]
     assert num_rows <= MAX_M, f"gemv serves at most {MAX_M} rows, got {num_rows}"
@@ -366,42 +435,32 @@ def gemv(
         f"x {x.dtype} and weight {weight.dtype} must match (bf16/fp16/fp32)")
     assert x.stride(-1) == 1, "x's last dim must be contiguous"
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
-    if out is None:
-        out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    assert out.shape == (num_rows, n) and out.dtype == x.dtype and out.stride(-1) == 1
-    if num_rows == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.copy_(bias.expand(num_rows, n)) if bias is not None else out.zero_()
+    return num_rows, k
 
-    cfg = config or choose_config(n, k, x.dtype)
-    block_k = cfg.block_k
-    # Whole BLOCK_K tiles per split, so only the last tile of K is ever ragged.
-    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
+
+def _k_chunk(k: int, cfg: GemvConfig) -> int:
+    """K elements per split: whole BLOCK_K tiles, so only the last tile of K is ragged."""
+    return triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor, workspace: torch.Tensor, cfg: GemvConfig, k_chunk: int,
+            buffers: NormBuffers | None = None, data_rows: int = 0) -> None:
+    num_rows, k = x.shape
+    n = weight.shape[0]
     splits = triton.cdiv(k, k_chunk)
-    split = splits > 1
-    if split:
-        if workspace is None:
-            workspace = gemv_workspace(num_rows, n, x.device)
-        assert workspace.dtype == torch.float32 and workspace.is_contiguous()
-        assert workspace.numel() >= num_rows * n, "workspace smaller than M * N"
-    grid = (triton.cdiv(n, cfg.block_n), splits)
+    push = buffers is not None
     pdl = pdl_for_weight(x, weight)
-    _gemv_kernel[grid](
-        x, weight, bias if bias is not None else out, out,
-        workspace if split else out,
-        num_rows, n, k, x.stride(0), out.stride(0), k_chunk,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, VEC=16 // x.element_size(),
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x, weight, bias if bias is not None else out, out, workspace,
+        buffers.data_ptrs if push else x, buffers.epochs if push else x,
+        num_rows, n, k, x.stride(0), out.stride(0), k_chunk, data_rows,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=16 // x.element_size(),
         USE_MMA=cfg.kind == "mma",
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split, PDL=pdl,
-        ROWS=row_bucket(cfg, num_rows),
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=splits > 1,
+        PDL=pdl, ROWS=row_bucket(cfg, num_rows),
+        PUSH=push, RANK=buffers.rank if push else 0,
+        WORLD=buffers.world_size if push else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-    if split:
-        _split_k_finalize_kernel[(triton.cdiv(num_rows * n, _FINALIZE_BLOCK),)](
-            workspace, bias if bias is not None else out, out, num_rows, n, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=_FINALIZE_BLOCK, PDL=pdl, num_warps=4,
-            launch_pdl=pdl,
-        )
-    return out

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.parallel import (
+    PushedPartial,
     WeightSource,
     check_shape,
     divide,
@@ -22,6 +23,7 @@ from models.parallel import (
     get_tp_size,
     narrow_weight,
     tp_all_reduce,
+    tp_linear_push,
 )
 
 
@@ -167,7 +169,9 @@ class RowParallelLinear(LinearBase):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced.
 
     With `reduce_results=False` the layer returns this rank's partial sum and its consumer
-    reduces it (an RMSNorm with `reduce=True` does that in one kernel with its add)."""
+    reduces it (an RMSNorm with `reduce=True` does that in one kernel with its add). At
+    batch-1 decode that partial may be a PushedPartial: the GEMV wrote it straight into the
+    fused all-reduce's buffers, and the RMSNorm must be the next launch."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True) -> None:
@@ -187,8 +191,12 @@ class RowParallelLinear(LinearBase):
         cols = self.input_per_rank
         param.data.copy_(narrow_weight(loaded_weight, 1, self.tp_rank * cols, cols))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PushedPartial:
         # x: [num_tokens, input_per_rank] -> [num_tokens, output_size]
         bias = self.bias if self.tp_rank == 0 else None
+        if not self.reduce_results:
+            pushed = tp_linear_push(x, self.weight, bias)
+            if pushed is not None:
+                return pushed
         out = linear(x, self.weight, bias)
         return tp_all_reduce(out) if self.reduce_results else out

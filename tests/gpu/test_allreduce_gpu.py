@@ -8,7 +8,9 @@ all-reduce + add + RMSNorm kernel matches the unfused path, with ranks bit-ident
 cross-rank argmax kernel (`tp_argmax`) answers as a plain-Python reference over every
 rank's candidates, call after call and from a replayed graph, and vocab-parallel sampling
 (race_partials on each rank's shard, then tp_argmax) draws what race_argmax draws on the
-full row."""
+full row. A row-parallel GEMV that pushes its partials straight into the fused kernel's
+buffers (`tp_linear_push`) gives what the plain GEMV and the unpushed kernel give, bit for
+bit in the sum, eagerly, between unpushed calls and from a replayed graph."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.allreduce_bench import launch
+from models.kernels.gemv import gemv
 from models.kernels.sample import race_argmax, race_partials
 from models.layers.layernorm import add_rms_norm, rms_norm
 from models.parallel import (
@@ -27,6 +30,7 @@ from models.parallel import (
     tp_all_reduce,
     tp_all_reduce_add_rms_norm,
     tp_argmax,
+    tp_linear_push,
 )
 from tests.gpu.graphs import capture
 from tests.test_tp_argmax import SPECIAL_ROWS, candidates, expected
@@ -219,6 +223,53 @@ def _fused_cases(device: torch.device, rank: int) -> None:
                      f"eager {rows} rows after replay {step}")
 
 
+def _push_cases(device: torch.device, rank: int) -> None:
+    """tp_linear_push + the fused norm = the plain GEMV's partials through the fused norm
+    (residual bit for bit: the same sum of the same partials), on the 8B's o_proj and down
+    shards at this world size and TP=4's o_proj shard (the mma tile); eagerly, with an
+    unpushed call between two pushed ones (they share the rows' parities), and from a graph
+    of two layers' worth replayed with new inputs. Two rows are not pushed (cuBLAS serves
+    them)."""
+    world = dist.get_world_size()
+    weight = _random((HIDDEN,), torch.bfloat16, device, seed=40)
+    # o_proj and down shards; 1024 (TP=4's o_proj, an mma tile) at every world size.
+    for i, k in enumerate(sorted({4096 // world, 12288 // world, 1024})):
+        shard = _random((HIDDEN, k), torch.bfloat16, device, seed=41 + 10 * i + rank) / 16
+        for call in range(3):
+            x = _random((1, k), torch.bfloat16, device, seed=42 + 10 * i + call + 100 * rank)
+            residual = _random((1, HIDDEN), torch.bfloat16, device, seed=43 + 10 * i + call)
+            partial = gemv(x, shard)
+            if call == 1:
+                got = tp_all_reduce_add_rms_norm(partial, residual, weight, 1e-6)
+            else:
+                pushed = tp_linear_push(x, shard, None)
+                assert pushed is not None and pushed.shape == (1, HIDDEN), f"k={k}: not pushed"
+                got = tp_all_reduce_add_rms_norm(pushed, residual, weight, 1e-6)
+            _check_fused(got, partial, residual, weight, f"pushed k={k} call {call}")
+        assert tp_linear_push(torch.zeros(2, k, dtype=torch.bfloat16, device=device), shard,
+                              None) is None, "two rows must not be pushed"
+    k = 12288 // world
+    shard = _random((HIDDEN, k), torch.bfloat16, device, seed=70 + rank) / 16
+    x = torch.zeros(1, k, dtype=torch.bfloat16, device=device)
+    residual = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device)
+
+    def body() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        first = tp_all_reduce_add_rms_norm(tp_linear_push(x, shard, None), residual, weight,
+                                           1e-6)
+        second = tp_all_reduce_add_rms_norm(tp_linear_push(x, shard, None), first[1], weight,
+                                            1e-6)
+        return [first, second]
+
+    graph, outs = capture(body)
+    for step in range(3):
+        x.copy_(_random(x.shape, x.dtype, device, seed=80 + step + 10 * rank))
+        residual.copy_(_random(residual.shape, x.dtype, device, seed=90 + step))
+        graph.replay()
+        partial = gemv(x, shard)
+        _check_fused(outs[0], partial, residual, weight, f"graph replay {step} push 0")
+        _check_fused(outs[1], partial, outs[0][1], weight, f"graph replay {step} push 1")
+
+
 def _gather_cases(device: torch.device, rank: int, tag: str) -> None:
     """tp_all_gather_last_dim equals NCCL's all-gather bit for bit: through the fast path
     (a sum of zero-padded copies) where it fits, through NCCL where it does not."""
@@ -321,6 +372,7 @@ def _rank(rank: int, world_size: int) -> None:
     assert init_fast_all_reduce(device), "the fast path did not start (see the warning)"
     _argmax_cases(device, rank)
     _fused_cases(device, rank)
+    _push_cases(device, rank)
     _gather_cases(device, rank, "one-shot")
     _eager_cases(device, rank, "one-shot")
     _graph_case(device, rank, "one-shot")

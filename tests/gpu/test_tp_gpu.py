@@ -2,6 +2,10 @@
 greedy and seeded-sampled tokens as TP=1, in float32, on the tiny model (4 heads, 2 KV heads:
 TP=2 splits the KV heads, TP=4 replicates them).
 
+At batch 1 on the Qwen3-8B layer shapes, o_proj and down_proj push their partial sums into
+the fused all-reduce kernel's buffers; a 2-layer model of those shapes (dummy bf16 weights)
+gives the same greedy tokens with the push as without it, at TP=2 and TP=4.
+
 The TP engines size their KV cache from the free GPU memory, so run this file alone, not
 beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): on 4x H200 at
 796e2bf two cases failed under `-n 8` with no room left for KV blocks, and passed alone."""
@@ -9,11 +13,17 @@ beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): on 4x H20
 from __future__ import annotations
 
 import gc
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import models.layers.linear as linear_module
+from benchmarks.model_configs import PRESETS
 from engine_service import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -27,6 +37,15 @@ def _prompts() -> list[list[int]]:
     prompts = [shared + [rng.randrange(500) for _ in range(rng.randint(1, 20))]
                for _ in range(4)]
     return prompts + [[rng.randrange(500) for _ in range(n)] for n in (1, 9, 33, 120)]
+
+
+def _memory_share(world_size: int, gib: int) -> float:
+    """gpu_memory_utilization that leaves the engine about `gib` GiB a GPU: the share counts
+    what other processes hold (pytest-xdist workers share GPU 0), so it is that much over it."""
+    in_use = max(total - free for free, total in
+                 (torch.cuda.mem_get_info(i) for i in range(world_size)))
+    total = torch.cuda.get_device_properties(0).total_memory
+    return min(0.9, (in_use + gib * 2**30) / total)
 
 
 def _passes(llm: LLM, prompts) -> list[list]:
@@ -57,14 +76,9 @@ def test_tp_tokens_equal_tp1(tiny_model_dir, world_size):
 
     # No --num-kv-blocks: every rank profiles, and they agree on the smallest count. A budget
     # of ~3 GiB (less the CUDA and NCCL context) keeps the block count of this tiny model
-    # (4 KiB per block and rank) in the hundreds of thousands. The budget counts what other
-    # processes hold (pytest-xdist workers share GPU 0), so it is 3 GiB over that.
-    in_use = max(total - free for free, total in
-                 (torch.cuda.mem_get_info(i) for i in range(world_size)))
-    total = torch.cuda.get_device_properties(0).total_memory
-    share = min(0.9, (in_use + 3 * 2**30) / total)
+    # (4 KiB per block and rank) in the hundreds of thousands.
     tp = LLM(str(tiny_model_dir), tensor_parallel_size=world_size,
-             gpu_memory_utilization=share, **COMMON)
+             gpu_memory_utilization=_memory_share(world_size, 3), **COMMON)
     try:
         assert tp.engine.model_runner.graph_runner is not None  # decode runs from graphs
         got = _passes(tp, prompts)
@@ -73,3 +87,55 @@ def test_tp_tokens_equal_tp1(tiny_model_dir, world_size):
     for r_pass, g_pass in zip(ref, got, strict=True):
         assert [o.token_ids for o in g_pass] == [o.token_ids for o in r_pass]
     assert all(o.num_cached_tokens >= 32 for o in got[1][:4]), "second pass missed the cache"
+
+
+def _pushed_run(model_dir: str, world_size: int) -> dict:
+    """One engine's greedy tokens for three prompts, one at a time (decode at batch 1, where
+    the push applies), and whether rank 0 (this process) pushed any partial."""
+    pushes = []
+    real = linear_module.tp_linear_push
+
+    def counting(x, weight, bias):
+        pushed = real(x, weight, bias)
+        pushes.append(pushed is not None)
+        return pushed
+
+    linear_module.tp_linear_push = counting
+    rng = random.Random(1)
+    prompts = [[rng.randrange(16384) for _ in range(n)] for n in (5, 37, 120)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(model_dir, load_format="dummy", tensor_parallel_size=world_size, device="cuda",
+              dtype="bfloat16", kv_block_size=16, max_model_len=256, max_num_seqs=4,
+              gpu_memory_utilization=_memory_share(world_size, 6))
+    try:
+        tokens = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
+    finally:
+        llm.engine.shutdown()
+    return {"tokens": tokens, "pushed": any(pushes)}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pushed_partials_change_no_token(tmp_path, world_size):
+    """The pushed GEMV writes the same partials the plain one returns, and the fused kernel
+    sums them in the same order, so the tokens must not change in a bit. Each engine runs in
+    a process of its own: a second TP engine in one process would find its fresh workers'
+    symmetric-memory rendezvous count apart from rank 0's and fall back to NCCL."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    config = dict(PRESETS["qwen3-8b"], num_hidden_layers=2, vocab_size=16384)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    runs = {}
+    for push in ("1", "0"):
+        env = dict(os.environ, NANOSERVE_PUSH_PARTIALS=push,
+                   PYTHONPATH=os.pathsep.join(sys.path))
+        proc = subprocess.run([sys.executable, __file__, str(tmp_path), str(world_size)],
+                              env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[push] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["1"]["pushed"] and not runs["0"]["pushed"], runs
+    assert runs["1"]["tokens"] == runs["0"]["tokens"]
+    assert [len(t) for t in runs["1"]["tokens"]] == [24, 24, 24]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_pushed_run(sys.argv[1], int(sys.argv[2]))))

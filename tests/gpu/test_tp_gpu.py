@@ -122,7 +122,8 @@ def test_pushed_partials_change_no_token(tmp_path, world_size):
     symmetric-memory rendezvous count apart from rank 0's and fall back to NCCL."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    config = dict(PRESETS["qwen3-8b"], num_hidden_layers=2, vocab_size=16384)
+    config = dict(PRESETS["qwen3-8b"], num_hidden_layers=2, vocab_size=16384, bos_token_id=1,
+                  eos_token_id=2)
     (tmp_path / "config.json").write_text(json.dumps(config))
     runs = {}
     for push in ("1", "0"):

@@ -174,8 +174,9 @@ def _all_reduce_add_rms_norm_kernel(
         # The previous kernel (a GEMV) pushed this rank's row itself (push_partial), so
         # nothing here needs it finished until the outputs are written: the rows are
         # taken as they land, and the next kernel may launch now. The call count and the
-        # residual come from kernels that finished before that GEMV started (each PDL
-        # kernel waits before it exits, and the GEMV started after its own wait).
+        # residual come from kernels that had completed when the GEMV passed its own wait,
+        # which it did before this kernel could launch (each PDL kernel waits before it
+        # exits, so the chain before the GEMV is complete).
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         epoch = tl.load(epochs_ptr + row)

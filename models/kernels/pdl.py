@@ -7,7 +7,10 @@ With PDL (sm_90+) a kernel launched with `launch_pdl=True` may start as soon as 
 of the kernel before it has called `gdc_launch_dependents`; it then runs whatever does not
 depend on that kernel (loading or prefetching its own weights, which no kernel writes) and
 calls `gdc_wait`, which returns once the previous kernel has completed and its memory is
-visible. Everything that reads an activation or writes any output comes after the wait.
+visible. Everything that reads an activation or writes any output comes after the wait;
+the one exception is the pushed all-reduce (models/kernels/all_reduce_norm.py), which polls
+rows that carry their own arrival signal and reads what kernels before the previous one
+wrote, and still waits before its stores.
 
 Why the ordering stays total: every PDL kernel here waits unconditionally, before any early
 exit, so a kernel's completion implies its predecessor's; kernels launched without the

@@ -149,11 +149,11 @@ def _broken_push_is_caught() -> None:
     slots[1, 1, 0] = gemv(x, weight)[0]  # half 1: the call after this one
     mine = _inputs(0, 0, 1, n, k, torch.float32, False)
     residual, norm_weight = _shared(0, 1, n, torch.float32)
+    pushed = gemv_push(mine[0], mine[1], None, norm_buffers)  # before the clock: it returns
     signal.signal(signal.SIGALRM, _give_up)
     signal.alarm(3)
     try:
-        all_reduce_add_rms_norm(gemv_push(mine[0], mine[1], None, norm_buffers), residual,
-                                norm_weight, 1e-6, norm_buffers)
+        all_reduce_add_rms_norm(pushed, residual, norm_weight, 1e-6, norm_buffers)
     except Exception as e:  # the interpreter wraps the TimeoutError in its own error
         assert "TimeoutError" in repr(e), e
     else:
@@ -161,8 +161,8 @@ def _broken_push_is_caught() -> None:
     finally:
         signal.alarm(0)
     # Rank 0's own push landed in half 0 of both buffers, at its own source slot.
-    pushed = buffers[1].view(torch.float32).view(2, world, -1, n)[0, 0, 0]
-    assert torch.equal(pushed, gemv(mine[0], mine[1])[0])
+    sent = buffers[1].view(torch.float32).view(2, world, -1, n)[0, 0, 0]
+    assert torch.equal(sent, gemv(mine[0], mine[1])[0])
 
 
 def _main() -> None:

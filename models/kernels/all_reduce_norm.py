@@ -179,46 +179,38 @@ def _all_reduce_add_rms_norm_kernel(
         # exits, so the chain before the GEMV is complete).
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        epoch = tl.load(epochs_ptr + row)
-        half = (epoch & 1) * WORLD  # data layout [parity][src][data_rows][hidden]
-        residual = weight  # unused without a residual
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])
-        rows = _take_rows(_word_pointer(data_ptrs, RANK, dtype) + slots, mask[None, :])
-        rows = rows.to(dtype, bitcast=True)
-        out, h = _add_rms_norm_row(rows.to(tl.float32), srcs, residual, weight, eps, hidden,
-                                   dtype, WORLD, HAS_RESIDUAL)
-        # The outputs may reuse memory that the GEMV still reads (its input, freed by the
-        # caller as soon as the launch returned).
-        if PDL:
-            tl.extra.cuda.gdc_wait()
     else:
         # The rest after the wait: x and the residual come from earlier kernels, and the
         # call count from this kernel's previous call, which may be the kernel right before.
         wait_for_prior_kernel(PDL)
-        epoch = tl.load(epochs_ptr + row)
-        half = (epoch & 1) * WORLD
+    epoch = tl.load(epochs_ptr + row)
+    half = (epoch & 1) * WORLD  # data layout [parity][src][data_rows][hidden]
+    residual = weight  # unused without a residual
+    if HAS_RESIDUAL:  # loaded before the wait for the peers' rows, not after it
+        residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])  # [WORLD, BLOCK_H]
+    own_data = _word_pointer(data_ptrs, RANK, dtype)
+    if PUSHED:
+        rows = _take_rows(own_data + slots, mask[None, :])  # every rank's, this one's too
+    else:
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
-        residual = weight
-        if HAS_RESIDUAL:  # loaded before the wait for the peers, not after it
-            residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         words = _to_words(x)
         # This rank's row goes to the same place in every peer's buffer.
-        slot = _slot_offsets(half, RANK, row, data_rows, hidden, 0)  # the row's start
+        slot = _slot_offsets(half, RANK, row, data_rows, hidden, offs)
         for peer in tl.static_range(WORLD):
             if peer != RANK:
-                peer_data = _data_pointer(data_ptrs, peer, words.dtype)
-                tl.store(peer_data + slot + offs, words, mask=mask)
-        peer_slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])
-        own_data = _data_pointer(data_ptrs, RANK, words.dtype)
+                tl.store(_data_pointer(data_ptrs, peer, words.dtype) + slot, words, mask=mask)
         # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
-        peer_words = _take_rows(own_data + peer_slots, mask[None, :] & (srcs != RANK))
+        peer_words = _take_rows(own_data + slots, mask[None, :] & (srcs != RANK))
         # What the peers received, not x: where x held EMPTY they add its replacement, and
         # so must this rank, or the ranks' hidden states could differ in a bit.
-        rows = tl.where(srcs == RANK, words[None, :], peer_words).to(dtype, bitcast=True)
-        out, h = _add_rms_norm_row(rows.to(tl.float32), srcs, residual, weight, eps, hidden,
-                                   dtype, WORLD, HAS_RESIDUAL)
+        rows = tl.where(srcs == RANK, words[None, :], peer_words)
+    out, h = _add_rms_norm_row(rows.to(dtype, bitcast=True).to(tl.float32), srcs, residual,
+                               weight, eps, hidden, dtype, WORLD, HAS_RESIDUAL)
+    if PUSHED and PDL:
+        # The outputs may reuse memory that the GEMV still reads (its input, freed by the
+        # caller as soon as the launch returned).
+        tl.extra.cuda.gdc_wait()
     tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
     tl.store(epochs_ptr + row, epoch + 1)

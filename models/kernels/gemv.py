@@ -415,12 +415,11 @@ def gemv_push(
     num_rows, k = _check_operands(x, weight, bias)
     n = weight.shape[0]
     cfg = choose_config(n, k, x.dtype)
-    data_rows = buffers.rows(n, x.element_size())
-    assert 0 < num_rows <= data_rows and k > 0, (num_rows, k, data_rows)
+    assert 0 < num_rows <= buffers.rows(n, x.element_size()) and k > 0, (num_rows, k)
     k_chunk = _k_chunk(k, cfg)
     assert k_chunk >= k, f"{cfg} splits K: it cannot push"
     # `x` stands in for out and the workspace: a pushing launch writes neither.
-    _launch(x, weight, bias, x, x, cfg, k_chunk, buffers=buffers, data_rows=data_rows)
+    _launch(x, weight, bias, x, x, cfg, k_chunk, buffers=buffers)
     return PushedPartial((num_rows, n), x.dtype, x.device)
 
 
@@ -445,11 +444,12 @@ def _k_chunk(k: int, cfg: GemvConfig) -> int:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out: torch.Tensor, workspace: torch.Tensor, cfg: GemvConfig, k_chunk: int,
-            buffers: NormBuffers | None = None, data_rows: int = 0) -> None:
+            buffers: NormBuffers | None = None) -> None:
     num_rows, k = x.shape
     n = weight.shape[0]
     splits = triton.cdiv(k, k_chunk)
     push = buffers is not None
+    data_rows = buffers.rows(n, x.element_size()) if push else 0
     pdl = pdl_for_weight(x, weight)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, weight, bias if bias is not None else out, out, workspace,

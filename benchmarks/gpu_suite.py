@@ -6,7 +6,8 @@ profile of batch-256 and batch-1 decode steps), allreduce (fast vs NCCL all-redu
 request, 512-token prompt, 512 new tokens), serve (the same
 workload as concurrent streams against one engine process), hbm (copy bandwidth and the
 decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs allow; with
---tp-throughput also the workload), profile_tp (Qwen3-8B batch-1 profiles at TP=1/2/4),
+--tp-throughput also the workload), tp_push (TP=2/4 single request with the row-parallel
+GEMVs' push off and on), profile_tp (Qwen3-8B batch-1 profiles at TP=1/2/4),
 offline_profile (the workload under torch.profiler, device time by kernel group),
 kernels (attention split-count and GEMV config sweeps), decode_graph (device time of the
 captured decode graph with programmatic dependent launch off and on).
@@ -203,6 +204,13 @@ def stage_hbm(args) -> None:
             ROWS.append((name, value, note))
 
 
+def _tp_single(tp: int, *more: str) -> list[str]:
+    """The Qwen3-8B single-request decode bench (512 + 512 tokens, median of 2) at TP=tp."""
+    return nanoserve("bench", "offline", "--model", "qwen3-8b", "--single", "--max-input-len",
+                     "512", "--max-output-len", "512", "--repeats", "2", "--tensor-parallel-size",
+                     str(tp), "--max-model-len", "4096", *more)
+
+
 def stage_tp(args) -> None:
     import torch
 
@@ -211,10 +219,7 @@ def stage_tp(args) -> None:
         if tp > n:
             continue
         extra = ["--tensor-parallel-size", str(tp), "--max-model-len", "4096"]
-        text = sh(f"tp{tp}_single", nanoserve("bench", "offline", "--model", "qwen3-8b",
-                                             "--single", "--max-input-len", "512",
-                                             "--max-output-len", "512", "--repeats", "2",
-                                             *extra), timeout=420)
+        text = sh(f"tp{tp}_single", _tp_single(tp), timeout=420)
         m = _decode_rate(text)
         ROWS.append((f"Qwen3-8B TP={tp} single decode", f"{m.group(1)} tok/s" if m else "FAILED",
                      ""))
@@ -224,6 +229,25 @@ def stage_tp(args) -> None:
             m = re.search(r"Throughput: ([\d.]+) tok/s", text)
             ROWS.append((f"Qwen3-8B TP={tp} nano-vllm bench",
                          f"{m.group(1)} tok/s" if m else "FAILED", ""))
+
+
+def stage_tp_push(args) -> None:
+    """TP=2 and TP=4 single request with the row-parallel GEMVs' push into the all-reduce
+    buffers off, then on (NANOSERVE_PUSH_PARTIALS), in one call: the push's A/B per size."""
+    import torch
+
+    n = torch.cuda.device_count()
+    for tp in (2, 4):
+        if tp > n:
+            continue
+        for push in ("0", "1"):
+            text = sh(f"tp{tp}_push{push}_single", _tp_single(tp, "--no-record"),
+                      timeout=420, env={"NANOSERVE_PUSH_PARTIALS": push})
+            m = _decode_rate(text)
+            device = re.findall(r"device ([\d.]+) ms", text)
+            ROWS.append((f"Qwen3-8B TP={tp} single decode, push={push}",
+                         f"{m.group(1)} tok/s" if m else "FAILED",
+                         f"device ms/step {' / '.join(device)}"))
 
 
 def stage_decode_graph(args) -> None:
@@ -243,6 +267,7 @@ def stage_decode_graph(args) -> None:
 STAGES = {"tests": stage_tests, "offline": stage_offline, "offline_sync": stage_offline_sync,
           "offline_profile": stage_offline_profile,
           "single": stage_single, "serve": stage_serve, "hbm": stage_hbm, "tp": stage_tp,
+          "tp_push": stage_tp_push,
           "profile": stage_profile, "profile_tp": stage_profile_tp,
           "allreduce": stage_allreduce, "kernels": stage_kernels,
           "decode_graph": stage_decode_graph}

@@ -85,8 +85,9 @@ def _to_words(x):
 
 
 @triton.jit
-def _data_pointer(data_ptrs, rank, dtype: tl.constexpr):
-    """Rank `rank`'s data region as a `dtype` pointer. Its base is 16-byte aligned (symmetric
+def rank_pointer(data_ptrs, rank, dtype: tl.constexpr):
+    """Rank `rank`'s symmetric buffer (its data region here; the word buffer of
+    models/kernels/tp_argmax.py) as a `dtype` pointer. Its base is 16-byte aligned (symmetric
     memory allocations are), and Triton cannot know that of a pointer read from memory:
     without the hint every row moves in 2-byte loads and stores instead of 16-byte ones."""
     return tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(dtype)), 16)
@@ -96,9 +97,9 @@ def _data_pointer(data_ptrs, rank, dtype: tl.constexpr):
 def _word_pointer(data_ptrs, rank, dtype: tl.constexpr):
     """Rank `rank`'s data region as a pointer to the integer words of `dtype`'s width."""
     if dtype.primitive_bitwidth == 16:
-        return _data_pointer(data_ptrs, rank, tl.int16)
+        return rank_pointer(data_ptrs, rank, tl.int16)
     else:
-        return _data_pointer(data_ptrs, rank, tl.int32)
+        return rank_pointer(data_ptrs, rank, tl.int32)
 
 
 @triton.jit
@@ -135,7 +136,7 @@ def push_partial(data_ptrs, epochs_ptr, data_rows, row, col, vals, mask, hidden,
     words = _to_words(vals)
     offs = _slot_offsets(half, RANK, row, data_rows, hidden, col)
     for dst in tl.static_range(WORLD):
-        tl.store(_data_pointer(data_ptrs, dst, words.dtype) + offs, words, mask=mask)
+        tl.store(rank_pointer(data_ptrs, dst, words.dtype) + offs, words, mask=mask)
 
 
 @triton.jit
@@ -199,7 +200,7 @@ def _all_reduce_add_rms_norm_kernel(
         slot = _slot_offsets(half, RANK, row, data_rows, hidden, offs)
         for peer in tl.static_range(WORLD):
             if peer != RANK:
-                tl.store(_data_pointer(data_ptrs, peer, words.dtype) + slot, words, mask=mask)
+                tl.store(rank_pointer(data_ptrs, peer, words.dtype) + slot, words, mask=mask)
         # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
         peer_words = _take_rows(own_data + slots, mask[None, :] & (srcs != RANK))
         # What the peers received, not x: where x held EMPTY they add its replacement, and

@@ -80,6 +80,19 @@ def _mix64(z):
 
 
 @triton.jit
+def best_candidate(vals, idxs):
+    """(value, index) of the best of 1-D candidates: the largest value, the lowest index
+    among equal values; NaN, -inf and NO_INDEX entries never win; (-inf, NO_INDEX) when
+    none is left. The one tie rule of every reduction of the race: a lane's chunk, a row's
+    chunks, and the tensor-parallel ranks' winners (models/kernels/tp_argmax.py)."""
+    ok = (vals > float("-inf")) & (idxs != _NO_INDEX)  # NaN > -inf is False
+    vals = tl.where(ok, vals, float("-inf"))
+    top = tl.max(vals, axis=0)
+    idx = tl.min(tl.where(ok & (vals == top), idxs, _NO_INDEX), axis=0)
+    return top, idx
+
+
+@triton.jit
 def _race_noise(counter, LIBDEVICE: tl.constexpr):
     """log(E) for E = -log(u), u the hash of each lane's counter word: what the race
     subtracts from x / T."""
@@ -145,8 +158,7 @@ def _race_partial_kernel(
         best_val = tl.where(better, x, best_val)
         best_idx = tl.where(better, offs, best_idx)
 
-    top = tl.max(best_val, axis=0)
-    idx = tl.min(tl.where(best_val == top, best_idx, _NO_INDEX), axis=0)
+    top, idx = best_candidate(best_val, best_idx)
     idx = tl.where(idx == _NO_INDEX, _NO_INDEX, idx + vocab_offset)  # global
     tl.store(part_val_ptr + row * num_splits + split, top)
     tl.store(part_idx_ptr + row * num_splits + split, idx)
@@ -161,8 +173,7 @@ def _combine_kernel(part_val_ptr, part_idx_ptr, tokens_ptr, num_splits,
     wait_for_prior_kernel(PDL)  # the partials are the previous kernel's output
     vals = tl.load(part_val_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
     idxs = tl.load(part_idx_ptr + row * num_splits + splits, mask=ok, other=_NO_INDEX)
-    top = tl.max(vals, axis=0)
-    idx = tl.min(tl.where(vals == top, idxs, _NO_INDEX), axis=0)
+    _, idx = best_candidate(vals, idxs)
     # Nothing above -inf in the row (all -inf, or NaN): 0, torch.argmax's answer for -inf.
     idx = tl.where(idx == _NO_INDEX, 0, idx)
     tl.store(tokens_ptr + row, idx.to(tl.int64))

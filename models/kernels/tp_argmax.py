@@ -45,8 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.all_reduce_norm import rank_pointer
 from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
-from models.kernels.sample import MAX_SPLITS
+from models.kernels.sample import MAX_SPLITS, best_candidate
 from models.parallel import NO_INDEX
 
 # What an empty slot holds: all 64 bits set (the buffer is filled with 0xFF bytes).
@@ -65,18 +66,6 @@ def fill_empty_words_(buffer: torch.Tensor) -> None:
 
 
 @triton.jit
-def best_candidate(vals, idxs):
-    """(value, index) of the best of 1-D candidates: the largest value, the lowest index
-    among equal values; NaN, -inf and NO_INDEX entries never win; (-inf, NO_INDEX) when
-    none is left."""
-    ok = (vals > float("-inf")) & (idxs != _NO_INDEX)  # NaN > -inf is False
-    vals = tl.where(ok, vals, float("-inf"))
-    top = tl.max(vals, axis=0)
-    idx = tl.min(tl.where(ok & (vals == top), idxs, _NO_INDEX), axis=0)
-    return top, idx
-
-
-@triton.jit
 def _pack(val, idx):
     """One int64 word: val's float32 bits high, idx (>= 0) low."""
     return (val.to(tl.int32, bitcast=True).to(tl.int64) << 32) | idx.to(tl.int64)
@@ -86,12 +75,6 @@ def _pack(val, idx):
 def _halves(words):
     """(high, low) 32-bit halves of int64 words (the value's bits, the index)."""
     return (words >> 32).to(tl.int32), words.to(tl.int32)
-
-
-@triton.jit
-def _word_pointer(data_ptrs, rank):
-    """Rank `rank`'s word buffer (symmetric memory) as an int64 pointer."""
-    return tl.load(data_ptrs + rank).to(tl.pointer_type(tl.int64))
 
 
 @triton.jit
@@ -134,10 +117,10 @@ def _tp_argmax_kernel(
     slot = (half + RANK) * data_rows + row
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            tl.store(_word_pointer(data_ptrs, peer) + slot, word)
+            tl.store(rank_pointer(data_ptrs, peer, tl.int64) + slot, word)
 
     # Every peer's word at once ([WORLD_PAD]; this rank's own is not in its buffer).
-    own_slots = _word_pointer(data_ptrs, RANK) + (half + srcs) * data_rows + row
+    own_slots = rank_pointer(data_ptrs, RANK, tl.int64) + (half + srcs) * data_rows + row
     words = _take_words(own_slots, (srcs < WORLD) & (srcs != RANK))
     words = tl.where(srcs == RANK, word, words)
     high, low = _halves(words)

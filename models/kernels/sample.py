@@ -83,7 +83,7 @@ def _mix64(z):
 def best_candidate(vals, idxs):
     """(value, index) of the best of 1-D candidates: the largest value, the lowest index
     among equal values; NaN, -inf and NO_INDEX entries never win; (-inf, NO_INDEX) when
-    none is left. The one tie rule of every reduction of the race: a lane's chunk, a row's
+    none is left. The one tie rule of every reduction of the race: a chunk's lanes, a row's
     chunks, and the tensor-parallel ranks' winners (models/kernels/tp_argmax.py)."""
     ok = (vals > float("-inf")) & (idxs != _NO_INDEX)  # NaN > -inf is False
     vals = tl.where(ok, vals, float("-inf"))

@@ -233,7 +233,8 @@ def stage_tp(args) -> None:
 
 def stage_tp_push(args) -> None:
     """TP=2 and TP=4 single request with the row-parallel GEMVs' push into the all-reduce
-    buffers off, then on (NANOSERVE_PUSH_PARTIALS), in one call: the push's A/B per size."""
+    buffers off, then on (NANOSERVE_PUSH_PARTIALS forces either way), in one call: the
+    push's A/B per size (by default it pushes at TP=2 only: PUSH_PARTIALS_MAX_RANKS)."""
     import torch
 
     n = torch.cuda.device_count()

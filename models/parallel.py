@@ -232,8 +232,15 @@ FUSED_NORM_MAX_RANKS = 8
 # The cross-rank argmax kernel (models/kernels/tp_argmax.py) serves up to this many rows; its
 # buffer per rank is one int64 word per (parity, rank, row): 64 KiB at 4 ranks.
 ARGMAX_ROWS = FUSED_NORM_ROWS
+# Batch-1 row-parallel GEMVs push their partial rows into the fused kernel's buffers (every
+# program stores to all W ranks) up to this group size. On 2 H200s that took the Qwen3-8B
+# decode step's device time from 2.534 to 2.497 ms; on 4 it cost ~10 tok/s (555.1 pushing
+# nowhere, 545.2 / 544.0 pushing, 547.5 pushing o_proj only; `bench offline --single`,
+# one call): three remote stores per program outweigh the all-reduce's saved wait.
+PUSH_PARTIALS_MAX_RANKS = 2
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
+
 _SYMM_MEM_OPS = ("one_shot_all_reduce", "one_shot_all_reduce_copy_out", "two_shot_all_reduce_")
 
 
@@ -259,6 +266,17 @@ def choose_algorithm(dtype: torch.dtype, nbytes: int, max_bytes: int,
     if dtype not in FAST_DTYPES or nbytes > max_bytes or nbytes % FAST_ALIGN_BYTES:
         return NCCL
     return ONE_SHOT if nbytes <= one_shot_max_bytes else TWO_SHOT
+
+
+def push_partials_enabled(world_size: int) -> bool:
+    """Whether batch-1 GEMVs push into the fused all-reduce's buffers in a group of
+    `world_size`: up to PUSH_PARTIALS_MAX_RANKS, unless NANOSERVE_PUSH_PARTIALS forces it
+    ("1") or turns it off ("0"), for A/B runs and the pushed-vs-unpushed token test
+    (workers inherit rank 0's environment)."""
+    setting = os.environ.get("NANOSERVE_PUSH_PARTIALS", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"NANOSERVE_PUSH_PARTIALS must be '0', '1' or unset, got {setting!r}")
+    return setting == "1" or (setting == "" and world_size <= PUSH_PARTIALS_MAX_RANKS)
 
 
 def _fits_fused_copy(x: torch.Tensor) -> bool:
@@ -308,7 +326,7 @@ class SymmMemAllReduce:
     `init_fast_all_reduce` is the fail-safe way to set one up."""
 
     def __init__(self, device: torch.device, max_bytes: int = DEFAULT_FAST_ALL_REDUCE_BYTES,
-                 one_shot_max_bytes: int | None = None) -> None:
+                 one_shot_max_bytes: int | None = None, push_partials: bool = False) -> None:
         if max_bytes <= 0 or max_bytes % FAST_ALIGN_BYTES:
             raise ValueError(f"max_bytes ({max_bytes}) must be a positive multiple of "
                              f"{FAST_ALIGN_BYTES}")
@@ -344,9 +362,7 @@ class SymmMemAllReduce:
         self._fused_handle: Any = None
         self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
         self._norm_buffers: Any = None  # models.kernels.all_reduce_norm.NormBuffers, mapped
-        # GEMVs push into those buffers unless NANOSERVE_PUSH_PARTIALS is "0" (for A/B runs
-        # and the pushed-vs-unpushed token test; workers inherit rank 0's environment).
-        self.push_partials = os.environ.get("NANOSERVE_PUSH_PARTIALS", "1") != "0"
+        self.push_partials = push_partials  # linear_push's switch: push_partials_enabled
         # The cross-rank argmax's words, [2 parity][W src][ARGMAX_ROWS], in a buffer of its
         # own (its layout never changes, so no call of another kernel has to wait for it).
         self._argmax_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
@@ -603,9 +619,10 @@ def init_fast_all_reduce(device: torch.device,
     if device.type != "cuda" or get_tp_size() == 1:
         return False
     disable_nvlink_multicast()
+    push = push_partials_enabled(get_tp_size())  # a bad setting is an error, not a fallback
     fast, error = None, None
     try:
-        fast = SymmMemAllReduce(device, max_bytes, one_shot_max_bytes)
+        fast = SymmMemAllReduce(device, max_bytes, one_shot_max_bytes, push)
     except Exception as e:  # any failure means NCCL, never a dead engine
         error = e
     # Before the first collective step: the ranks must all go ahead, or none.

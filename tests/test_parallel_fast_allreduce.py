@@ -25,6 +25,7 @@ from models.parallel import (
     close_fast_all_reduce,
     default_one_shot_max_bytes,
     init_fast_all_reduce,
+    push_partials_enabled,
     tp_all_reduce,
     tp_argmax,
 )
@@ -58,6 +59,24 @@ def test_one_shot_cut_off_by_world_size():
     assert default_one_shot_max_bytes(8, 64 * 1024) == 64 * 1024
     # The default buffer covers the largest decode batch of the widest model: [512, 8192].
     assert DEFAULT_FAST_ALL_REDUCE_BYTES >= 512 * 8192 * 2
+
+
+@pytest.mark.parametrize("setting, world_size, expected", [
+    (None, 2, True), (None, 4, False), (None, 8, False),  # measured: pays at 2 ranks only
+    ("1", 4, True), ("0", 2, False),  # the A/B switch overrides the group size
+])
+def test_push_partials_by_group_size(monkeypatch, setting, world_size, expected):
+    if setting is None:
+        monkeypatch.delenv("NANOSERVE_PUSH_PARTIALS", raising=False)
+    else:
+        monkeypatch.setenv("NANOSERVE_PUSH_PARTIALS", setting)
+    assert push_partials_enabled(world_size) is expected
+
+
+def test_push_partials_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("NANOSERVE_PUSH_PARTIALS", "yes")
+    with pytest.raises(ValueError, match="NANOSERVE_PUSH_PARTIALS must be '0', '1' or unset"):
+        push_partials_enabled(2)
 
 
 @pytest.mark.parametrize("max_bytes", [0, -16, 1000])

@@ -119,7 +119,8 @@ def test_pushed_partials_change_no_token(tmp_path, world_size):
     """The pushed GEMV writes the same partials the plain one returns, and the fused kernel
     sums them in the same order, so the tokens must not change in a bit. Each engine runs in
     a process of its own: a second TP engine in one process would find its fresh workers'
-    symmetric-memory rendezvous count apart from rank 0's and fall back to NCCL."""
+    symmetric-memory rendezvous count apart from rank 0's and fall back to NCCL.
+    NANOSERVE_PUSH_PARTIALS=1 pushes at 4 ranks too, where the default does not."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     config = dict(PRESETS["qwen3-8b"], num_hidden_layers=2, vocab_size=16384, bos_token_id=1,

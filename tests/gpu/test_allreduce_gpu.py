@@ -387,7 +387,10 @@ def _rank(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_fast_all_reduce_sums_like_nccl(world_size: int):
+def test_fast_all_reduce_sums_like_nccl(world_size: int, monkeypatch):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    # The push cases at every group size (by default only 2 ranks push); the spawned ranks
+    # inherit this process's environment.
+    monkeypatch.setenv("NANOSERVE_PUSH_PARTIALS", "1")
     launch(_rank, world_size)

@@ -86,8 +86,9 @@ def tp_linear_push(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> PushedPartial | None:
     """Row-parallel `x @ weight.T (+ bias)` whose partial sums go straight from the GEMV's
     programs into the fused all-reduce + RMSNorm kernel's buffers, where that kernel serves
-    the result and the Triton GEMV serves the shape (batch-1 decode); None otherwise (the
-    caller runs the linear itself). Saves the all-reduce kernel the wait for the GEMV to
+    the result, the Triton GEMV serves the shape (batch-1 decode) and the group pushes
+    (`push_partials_enabled`: 2 ranks by default); None otherwise (the caller runs the
+    linear itself). Saves the all-reduce kernel the wait for the GEMV to
     finish, the re-read of its output and the push to the peers. The answer depends only
     on what every rank shares, so all ranks take the same branch; the result must go to
     `tp_all_reduce_add_rms_norm` next."""

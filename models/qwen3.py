@@ -108,9 +108,10 @@ class Qwen3DecoderLayer(nn.Module):
                 residual: torch.Tensor | None, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor | PushedPartial, torch.Tensor]:
         # The residual add is fused into the next norm, and so is the tensor-parallel sum
-        # of the attention and MLP outputs: returns (mlp partial output, residual). At TP >
-        # 1 and batch 1 the partials are pushed: o_proj's and down_proj's GEMVs write them
-        # into the all-reduce kernel's buffers, which the next norm reads.
+        # of the attention and MLP outputs: returns (mlp partial output, residual). At
+        # batch 1 in a group that pushes (models/parallel.py, push_partials_enabled) the
+        # partials are pushed: o_proj's and down_proj's GEMVs write them into the
+        # all-reduce kernel's buffers, which the next norm reads.
         if self._norms_into_gemvs(hidden_states):
             return self._forward_batch1(positions, hidden_states, residual, meta)
         # The first layer's input is the embedding's partial sum (residual None).

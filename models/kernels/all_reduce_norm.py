@@ -36,7 +36,8 @@ the buffer empty again, so a CUDA graph of these calls replays any number of tim
 All ranks must launch the same calls with the same row counts (they do: TP ranks run the
 same forward), or a rank waits forever for a row that never comes.
 
-Pushed calls: at batch-1 decode the partial sums come from a row-parallel Triton GEMV
+Pushed calls: at batch-1 decode, in groups that push (models/parallel.py,
+`push_partials_enabled`), the partial sums come from a row-parallel Triton GEMV
 (o_proj, down_proj), and its programs can do step 1 themselves (`push_partial`, called from
 models/kernels/gemv.py's `gemv_push`): each program stores its few output columns into slot
 [parity][rank][row] of every rank's buffer, its own included, as it finishes. The kernel

@@ -4,7 +4,8 @@ TP=2 splits the KV heads, TP=4 replicates them).
 
 At batch 1 on the Qwen3-8B layer shapes, o_proj and down_proj push their partial sums into
 the fused all-reduce kernel's buffers; a 2-layer model of those shapes (dummy bf16 weights)
-gives the same greedy tokens with the push as without it, at TP=2 and TP=4.
+gives the same greedy tokens with the push as without it, at TP=2 and TP=4 (forced there:
+by default only groups of 2 push).
 
 The TP engines size their KV cache from the free GPU memory, so run this file alone, not
 beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): on 4x H200 at

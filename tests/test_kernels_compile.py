@@ -143,36 +143,59 @@ _ATTN_LAYOUTS = (
     ("tiny", 4, 2, 16, torch.float32, _ALL_SPLITS),
     ("qwen3-8b", 32, 8, 128, torch.bfloat16, (1, 2, pa.MAX_SPLITS)),
 )
+# Layouts (label, num_heads, num_kv_heads, head_dim) whose bf16 decode launches take the
+# fused q/k norm + rotary + K/V store: Qwen3-0.6B and Qwen3-8B at TP=4 (one rank's heads).
+_QK_ATTN_LAYOUTS = (("qwen3-0.6b", 16, 8, 128), ("qwen3-8b-tp4", 8, 2, 128))
 
 
 def _attention_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    launch: pa.AttentionLaunch, block_size: int) -> Case:
+                    launch: pa.AttentionLaunch, block_size: int,
+                    qk_norm_rope: bool = False) -> Case:
     """paged_attention's launch over a contiguous [T, H, D] query and a [blocks,
-    block_size, Hkv, D] cache (block_size 1: forward_no_cache's view of the step's K/V)."""
+    block_size, Hkv, D] cache (block_size 1: forward_no_cache's view of the step's K/V).
+    qk_norm_rope: the fused decode launch of TritonAttentionBackend.decode_attention_qk_
+    norm_rope instead, whose query, key and value are column views of the packed [T, (H +
+    2 * Hkv) * D] qkv, with full rotary (Qwen3's); without it the launcher passes the query
+    for every fused pointer and zeros for their strides and eps."""
     nq = num_heads // num_kv_heads
     group_pad = pa._group_pad(nq)
     block_m = launch.block_q * group_pad
     dt = _DTYPE_NAMES[dtype]
     slot = num_kv_heads * head_dim
+    fused_ptrs = ("new_k_ptr", "new_v_ptr", "positions_ptr", "slot_mapping_ptr", "cos_sin_ptr",
+                  "q_weight_ptr", "k_weight_ptr")
+    if qk_norm_rope:
+        qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+        fused = {**_ptrs(dt, "new_k_ptr", "new_v_ptr", "q_weight_ptr", "k_weight_ptr"),
+                 **_ptrs("i64", "positions_ptr", "slot_mapping_ptr"),
+                 **_ptrs("fp32", "cos_sin_ptr")}
+        stride_qt, rotary_dim = qkv_width, head_dim
+        fused_ints = dict(stride_new_t=qkv_width, stride_new_h=head_dim,
+                          stride_cos_sin=rotary_dim)
+    else:
+        fused = _ptrs(dt, *fused_ptrs)
+        stride_qt, rotary_dim = num_heads * head_dim, 0
+        fused_ints = dict(stride_new_t=0, stride_new_h=0, stride_cos_sin=0)
     return Case(
         kernel=pa._paged_attention_kernel,
         pointers={**_ptrs(dt, "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"),
                   **_ptrs("fp32", "ws_acc_ptr", "ws_max_ptr", "ws_sum_ptr"),
                   **_ptrs("i32", "counters_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr",
-                          "block_tables_ptr")},
+                          "block_tables_ptr"),
+                  **fused},
         constexprs=dict(
             NUM_Q_PER_KV=nq, GROUP_PAD=group_pad, BLOCK_Q=launch.block_q, BLOCK_M=block_m,
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=launch.num_splits,
             MERGE_ROWS=pa._merge_rows(block_m, head_dim, launch),
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=True,
-            PREFETCH_KV=launch.prefetch_kv),
+            PREFETCH_KV=launch.prefetch_kv, QK_NORM_ROPE=qk_norm_rope, ROTARY_DIM=rotary_dim),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         ints=dict(num_heads=num_heads, block_size=block_size,
-                  stride_qt=num_heads * head_dim, stride_qh=head_dim,
+                  stride_qt=stride_qt, stride_qh=head_dim,
                   stride_ot=num_heads * head_dim, stride_oh=head_dim,
                   stride_k_slot=slot, stride_k_head=head_dim,
-                  stride_v_slot=slot, stride_v_head=head_dim),
-        floats=("qk_scale",),
+                  stride_v_slot=slot, stride_v_head=head_dim, **fused_ints),
+        floats=("qk_scale", "eps"),
     )
 
 
@@ -195,6 +218,20 @@ def _attention_cases() -> list[Any]:
             case = _attention_case(heads, kv_heads, head_dim, dtype, v, block_size=1)
             cases.append(pytest.param(
                 case, id=f"paged_attention-qwen3-0.6b-block1-q{v.block_q}-s{v.num_splits}"))
+    # The fused q/k norm + rotary + K/V store decode launch (decode_attention_qk_norm_rope):
+    # every decode launch choose_launch can return (what warm_up compiles with it) for the
+    # serving layouts that fuse.
+    for label, heads, kv_heads, head_dim in _QK_ATTN_LAYOUTS:
+        decode = pa.decode_launch_variants(heads // kv_heads, torch.bfloat16)
+        decode_q, _ = pa._block_qs(pa._group_pad(heads // kv_heads))
+        assert {v.block_q for v in decode} == {decode_q}, f"{label}: {decode}"
+        assert {v.num_splits for v in decode} == set(_ALL_SPLITS), f"{label}: {decode}"
+        for v in decode:
+            case = _attention_case(heads, kv_heads, head_dim, torch.bfloat16, v,
+                                   block_size=16, qk_norm_rope=True)
+            vid = (f"{label}-q{v.block_q}-n{v.block_n}-s{v.num_splits}-w{v.num_warps}"
+                   f"-min{v.min_split_len}" + "-prefetch" * v.prefetch_kv)
+            cases.append(pytest.param(case, id=f"paged_attention-qk_norm_rope-{vid}"))
     return cases
 
 
@@ -454,12 +491,14 @@ def _tp_argmax_cases() -> list[Any]:
 
 def _without_pdl(cases: list[Any]) -> list[Any]:
     """Kernels with a PDL switch are launched with it on sm_90+ (the cases above); without it
-    (NANOSERVE_PDL=0, older GPUs) they compile other code, so each compiles so once."""
+    (NANOSERVE_PDL=0, older GPUs) they compile other code, so each compiles so once (the
+    fused decode mode of paged attention, QK_NORM_ROPE, counts as a kernel of its own)."""
     seen, plain = set(), []
     for param in cases:
         case = param.values[0]
-        if case.constexprs.get("PDL") and case.kernel not in seen:
-            seen.add(case.kernel)
+        kind = (case.kernel, case.constexprs.get("QK_NORM_ROPE"))
+        if case.constexprs.get("PDL") and kind not in seen:
+            seen.add(kind)
             plain.append(pytest.param(
                 replace(case, constexprs={**case.constexprs, "PDL": False}),
                 id=f"{param.id}-no_pdl"))

@@ -36,6 +36,8 @@ def _import_flash_attn() -> ModuleType:
 
 class FlashAttnBackend:
     name = "flash-attn"
+    # flash-attn's kernel reads q and the new k/v from memory: the store kernel runs first.
+    decode_attention_qk_norm_rope = None
 
     def __init__(self) -> None:
         self._fa = _import_flash_attn()

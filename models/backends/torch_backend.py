@@ -43,7 +43,10 @@ def _host_lists(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
 
 class TorchAttentionBackend:
     name = "torch"
-    qk_norm_rope_store = None  # no fused Qwen3 q/k norm + rotary + store: the layers run
+    # No fused Qwen3 q/k norm + rotary + store: the layers run rms_norm, apply_rotary and
+    # store_kv, the reference the fused kernels are checked against.
+    qk_norm_rope_store = None
+    decode_attention_qk_norm_rope = None
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -26,6 +26,14 @@ partition that arrives last reads every partition's partials from L2, merges the
 order whichever partition ran it, so results are bitwise deterministic; and since every
 launch leaves its counters at zero, one zeroed buffer (`split_counters`) serves every
 launch on a stream and every CUDA-graph replay, with no memset.
+
+Decode launches may also do Qwen3's q/k norm + rotary + K/V store (`qk_norm_rope`, the work
+of models/kernels/qk_norm_rope.py): at decode batch sizes that kernel's launch and its chain
+of dependent loads cost more than its few kilobytes, so each program norms and rotates its
+own group's q from the raw qkv, and the partition holding the row's own key norms,
+rotates and stores that key (and stores the value) before its loop reads them back like any
+other key. (Taking them from registers instead cost more: the select inside the loop moves K
+and V out of the cp.async path, and the launch lost ~10 us a layer at TP=1.)
 """
 
 import functools
@@ -36,6 +44,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.pdl import bulk_prefetch, pdl_enabled, wait_for_prior_kernel
+from models.kernels.qk_norm_rope import QKNormRope, norm_rope_heads, rope_cos_sin
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -59,14 +68,17 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     ws_acc_ptr, ws_max_ptr, ws_sum_ptr, counters_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, num_heads, block_size, seq_base, min_split_len,
+    new_k_ptr, new_v_ptr, positions_ptr, slot_mapping_ptr, cos_sin_ptr,
+    q_weight_ptr, k_weight_ptr,
+    qk_scale, num_seqs, num_heads, block_size, seq_base, min_split_len, eps,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_bt,
+    stride_bt, stride_new_t, stride_new_h, stride_cos_sin,
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH_KV: tl.constexpr,
+    QK_NORM_ROPE: tl.constexpr, ROTARY_DIM: tl.constexpr,
 ):
     # block_size is a runtime int: one compiled kernel serves every block size. NUM_SPLITS
     # is compile-time because the merge loads [rows, NUM_SPLITS, HEAD_DIM] tiles; split
@@ -126,6 +138,13 @@ def _paged_attention_kernel(
         _prefetch_first_keys(bt_row, k_base, v_base, kv_lo, tl.where(live, kv_end, kv_lo),
                              block_size, stride_k_slot, stride_v_slot,
                              HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    if QK_NORM_ROPE:
+        # A decode tile: its one query token is the step's token `q_start` (seq_base 0).
+        # Position and slot are step inputs like the metadata: safe before the wait.
+        t_new = q_start.to(tl.int64)
+        cos, sin = rope_cos_sin(cos_sin_ptr, positions_ptr + t_new, stride_cos_sin, HEAD_DIM,
+                                ROTARY_DIM)  # [1, HEAD_DIM] each
+        slot_new = tl.load(slot_mapping_ptr + t_new)
     if PREFETCH_KV:
         # Everything above read only metadata and the cache (see _prefetch_first_keys); q
         # comes from the previous kernel.
@@ -143,8 +162,30 @@ def _paged_attention_kernel(
     q_pos = ctx_len + tok
     dims = tl.arange(0, HEAD_DIM)
     t = (q_start + tok).to(tl.int64)  # [BLOCK_M] flat token index
-    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    if QK_NORM_ROPE:
+        # Every program of the tile norms and rotates the group's q itself (a few hundred
+        # bytes) rather than wait for a kernel that does; the padding rows re-read the
+        # group's first head and are never stored. The ops are qk_norm_rope_store's; only
+        # the float32 sum of squares may add in another order (another tile layout).
+        q_head = tl.where(row_ok, head, kv_head * NUM_Q_PER_KV)
+        q = norm_rope_heads(q_ptr + t_new * stride_qt + q_head[:, None] * stride_qh,
+                            q_weight_ptr, cos, sin, eps, HEAD_DIM,
+                            ROTARY_DIM)  # [BLOCK_M, HEAD_DIM]
+        # The partition holding the row's own key stores the token's normed, rotated k and
+        # its v, and its loop reads them back from the cache like any other key: the CTA
+        # barrier orders that program's stores before its loads.
+        if (split == num_parts - 1) & (slot_new >= 0):
+            new_row = (t_new * stride_new_t + kv_head * stride_new_h
+                       + tl.zeros([1, 1], tl.int64))  # [1, 1]
+            k_new = norm_rope_heads(new_k_ptr + new_row, k_weight_ptr, cos, sin, eps,
+                                    HEAD_DIM, ROTARY_DIM)  # [1, HEAD_DIM]
+            v_new = tl.load(new_v_ptr + new_row + dims[None, :])  # [1, HEAD_DIM]
+            tl.store(k_base + slot_new * stride_k_slot + dims[None, :], k_new)
+            tl.store(v_base + slot_new * stride_v_slot + dims[None, :], v_new)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
@@ -351,17 +392,26 @@ def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype,
     )
 
 
+_SPLIT_COUNTS = [1 << i for i in range(MAX_SPLITS.bit_length())]
+
+
+def decode_launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaunch]:
+    """Every launch choose_launch can return for a decode-only batch."""
+    group_pad = _group_pad(num_q_per_kv)
+    decode_q, _ = _block_qs(group_pad)
+    decode = [_tiles(decode_q, s, group_pad, dtype, prefetch_kv=s == MAX_SPLITS)
+              for s in _SPLIT_COUNTS]
+    return decode + [_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN)]
+
+
 def launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaunch]:
     """Every launch choose_launch can return for a head layout and dtype (each one compiled
     kernel): what an engine compiles at start-up instead of in the middle of serving."""
     group_pad = _group_pad(num_q_per_kv)
-    splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
-    decode_q, prefill_q = _block_qs(group_pad)
-    decode = [_tiles(decode_q, s, group_pad, dtype, prefetch_kv=s == MAX_SPLITS)
-              for s in splits]
-    decode.append(_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN))
-    prefill = [_tiles(prefill_q, s, group_pad, dtype) for s in splits]
-    return list(dict.fromkeys(decode + prefill))  # decode and prefill tiles may coincide
+    _, prefill_q = _block_qs(group_pad)
+    prefill = [_tiles(prefill_q, s, group_pad, dtype) for s in _SPLIT_COUNTS]
+    # decode and prefill tiles may coincide
+    return list(dict.fromkeys(decode_launch_variants(num_q_per_kv, dtype) + prefill))
 
 
 def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
@@ -405,6 +455,7 @@ def paged_attention(
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     counters: torch.Tensor | None = None,  # [>= grid0 * num_kv_heads] int32 zeros
     seq_base: int = 0,
+    qk_norm_rope: QKNormRope | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context.
 
@@ -419,6 +470,15 @@ def paged_attention(
     in one stream may share them (launches running concurrently may not). Either is
     allocated here when not given; a caller that captures CUDA graphs passes `counters`,
     or each launch would carry its own memset.
+
+    With `qk_norm_rope` (decode batches only: one query token a row, seq_base 0) `query` is
+    the step's raw q and the launch does qk_norm_rope_store's work on the way: each program
+    norms and rotates its q heads, and the partition holding a row's last key stores the
+    token's normed, rotated k and its v at `slot_mapping` before reading them back. The
+    same ops, one launch fewer; the results match the two launches bit for bit except where
+    the norm's float32 sum of squares, added in another order, moves rstd by an ulp and
+    flips a rounding of q or k. (A row with slot -1 stores nothing and reads its slot as
+    the two-launch path does.)
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -443,6 +503,20 @@ def paged_attention(
     assert out.shape == query.shape and out.stride(-1) == 1
     if num_tokens == 0 or num_seqs == 0:
         return out
+    new_k = new_v = positions = slot_mapping = cos_sin = q_weight = k_weight = query
+    eps, stride_new, stride_cos_sin, rotary_dim = 0.0, (0, 0), 0, 0  # unused
+    if qk_norm_rope is not None:
+        x = qk_norm_rope
+        assert num_tokens == num_seqs and seq_base == 0, (
+            f"qk_norm_rope needs a decode batch from row 0: {num_tokens} tokens, "
+            f"{num_seqs} rows, seq_base {seq_base}")
+        assert x.key.shape == (num_tokens, num_kv_heads, head_dim), (
+            f"qk_norm_rope.key {tuple(x.key.shape)} != {(num_tokens, num_kv_heads, head_dim)}")
+        assert x.key.dtype == query.dtype, f"qk_norm_rope.key {x.key.dtype} vs {query.dtype}"
+        new_k, new_v, positions, slot_mapping = x.key, x.value, x.positions, x.slot_mapping
+        cos_sin, q_weight, k_weight = x.cos_sin_cache, x.q_weight, x.k_weight
+        eps, stride_new, rotary_dim = x.eps, x.key.stride()[:2], x.rotary_dim
+        stride_cos_sin = cos_sin.stride(0)
 
     num_q_per_kv = num_heads // num_kv_heads
     group_pad = _group_pad(num_q_per_kv)
@@ -469,16 +543,18 @@ def paged_attention(
         query, key_cache, value_cache, out,
         ws_acc, ws_max, ws_sum, counters,
         cu_seqlens_q, seq_lens, block_tables,
-        scale * LOG2E, num_seqs, num_heads, block_size, seq_base, launch.min_split_len,
+        new_k, new_v, positions, slot_mapping, cos_sin, q_weight, k_weight,
+        scale * LOG2E, num_seqs, num_heads, block_size, seq_base, launch.min_split_len, eps,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_slot, key_cache.stride(2), v_slot, value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), *stride_new, stride_cos_sin,
         NUM_Q_PER_KV=num_q_per_kv, GROUP_PAD=group_pad,
         BLOCK_Q=launch.block_q, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, NUM_SPLITS=splits,
         MERGE_ROWS=_merge_rows(block_m, head_dim, launch),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
         PREFETCH_KV=launch.prefetch_kv,
+        QK_NORM_ROPE=qk_norm_rope is not None, ROTARY_DIM=rotary_dim,
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl,
     )
     return out

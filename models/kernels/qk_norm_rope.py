@@ -25,6 +25,7 @@ size.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,7 +43,22 @@ def _scale(x, rstd, weight_ptr, offs, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_heads(rows_ptr, weight_ptr, cos, sin, eps,
+def rope_cos_sin(cos_sin_ptr, position_ptr, stride_cos_sin, HEAD_DIM: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr):
+    """cos, sin [1, HEAD_DIM] float32 of the token at *position_ptr, laid out for
+    norm_rope_heads: NeoX halves share a frequency; 1 and 0 past ROTARY_DIM."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    in_rot = dims < ROTARY_DIM
+    freq = tl.where(dims < HALF, dims, dims - HALF)
+    row = cos_sin_ptr + tl.load(position_ptr).to(tl.int64) * stride_cos_sin
+    cos = tl.load(row + freq, mask=in_rot, other=1.0)[None, :]
+    sin = tl.load(row + HALF + freq, mask=in_rot, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def norm_rope_heads(rows_ptr, weight_ptr, cos, sin, eps,
                      HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
     """HEADS heads of HEAD_DIM contiguous values each -> normed and rotated, in the model
     dtype. rows_ptr: [HEADS, 1] pointers to each head's first value; cos, sin: [1, HEAD_DIM]
@@ -74,24 +90,19 @@ def _qk_norm_rope_store_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
-    HALF: tl.constexpr = ROTARY_DIM // 2
     wait_for_prior_kernel(PDL)  # qkv is the previous kernel's output
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     heads = head_block * HEADS + tl.arange(0, HEADS)  # [HEADS], q heads then kv heads
     dims = tl.arange(0, HEAD_DIM)
-    in_rot = dims < ROTARY_DIM
-    freq = tl.where(dims < HALF, dims, dims - HALF)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    cos_sin_row = cos_sin_ptr + pos * stride_cos_sin
     # One cos/sin row serves all HEADS heads of the token.
-    cos = tl.load(cos_sin_row + freq, mask=in_rot, other=1.0)[None, :]  # [1, HEAD_DIM]
-    sin = tl.load(cos_sin_row + HALF + freq, mask=in_rot, other=0.0)[None, :]
+    cos, sin = rope_cos_sin(cos_sin_ptr, positions_ptr + t, stride_cos_sin, HEAD_DIM,
+                            ROTARY_DIM)
     # q heads then k heads then v heads, each HEAD_DIM wide: head h starts at h * HEAD_DIM.
     rows_ptr = qkv_ptr + t * stride_qkv_t + heads[:, None] * HEAD_DIM  # [HEADS, 1]
     # HEADS divides NUM_HEADS (and NUM_KV_HEADS): a block is all q heads or all kv heads.
     if head_block < NUM_HEADS // HEADS:
-        q = _norm_rope_heads(rows_ptr, q_weight_ptr, cos, sin, eps, HEAD_DIM, ROTARY_DIM)
+        q = norm_rope_heads(rows_ptr, q_weight_ptr, cos, sin, eps, HEAD_DIM, ROTARY_DIM)
         out_offs = t * stride_out_t + heads[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out_ptr + out_offs, q.to(out_ptr.dtype.element_ty))
     else:
@@ -99,7 +110,7 @@ def _qk_norm_rope_store_kernel(
         # k is only ever consumed from the cache, so a skipped token needs no work at all.
         if slot >= 0:
             kv_heads = heads - NUM_HEADS
-            k = _norm_rope_heads(rows_ptr, k_weight_ptr, cos, sin, eps, HEAD_DIM, ROTARY_DIM)
+            k = norm_rope_heads(rows_ptr, k_weight_ptr, cos, sin, eps, HEAD_DIM, ROTARY_DIM)
             cache_offs = (slot * stride_cache_slot + kv_heads[:, None] * stride_cache_head
                           + dims[None, :])  # [HEADS, HEAD_DIM]
             tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty))
@@ -134,6 +145,52 @@ def _num_warps(head_dim: int, heads: int = 1) -> int:
     return min(8, heads * max(1, head_dim // 128))
 
 
+def _check_norm_rope_args(num_tokens: int, dtype: torch.dtype, head_dim: int, rotary_dim: int,
+                          positions: torch.Tensor, slot_mapping: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, q_weight: torch.Tensor,
+                          k_weight: torch.Tensor) -> None:
+    assert head_dim > 0 and head_dim & (head_dim - 1) == 0, (
+        f"head_dim must be a power of two, got {head_dim}")
+    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, (
+        f"rotary_dim must be even and in (0, head_dim], got {rotary_dim}")
+    assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,), (
+        "positions and slot_mapping must be [num_tokens]")
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == rotary_dim, (
+        f"cos_sin_cache {tuple(cos_sin_cache.shape)} does not match rotary_dim {rotary_dim}")
+    assert cos_sin_cache.stride(1) == 1 and cos_sin_cache.dtype == torch.float32
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        assert weight.shape == (head_dim,) and weight.stride(0) == 1, f"{name} must be [D]"
+        # rms_norm's result dtype is weight * x's promotion: exact only when they agree.
+        assert weight.dtype == dtype, f"{name} is {weight.dtype}, q/k are {dtype}"
+
+
+@dataclass(frozen=True, eq=False)
+class QKNormRope:
+    """What qk_norm_rope_store does to a step's q, k and v, for a kernel that does it on the
+    way (paged_attention's decode launches): the raw k/v of the step's tokens and the norm,
+    rotary and slot inputs. That kernel's q is the raw query it is given."""
+
+    key: torch.Tensor  # [T, Hkv, D] before k_norm; last dim contiguous
+    value: torch.Tensor  # [T, Hkv, D], key's strides
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64; -1: the token's k/v are not stored
+    cos_sin_cache: torch.Tensor  # [max_pos, rotary_dim] float32 (cos | sin halves)
+    q_weight: torch.Tensor  # [D], the model dtype
+    k_weight: torch.Tensor  # [D]
+    eps: float
+    rotary_dim: int
+
+    def __post_init__(self) -> None:
+        num_tokens, _, head_dim = self.key.shape
+        assert self.value.shape == self.key.shape and self.value.stride() == self.key.stride(), (
+            f"value {tuple(self.value.shape)} must match key {tuple(self.key.shape)}, strides too")
+        assert self.key.stride(2) == 1, "key/value head_dim must be contiguous"
+        assert self.value.dtype == self.key.dtype
+        _check_norm_rope_args(num_tokens, self.key.dtype, head_dim, self.rotary_dim,
+                              self.positions, self.slot_mapping, self.cos_sin_cache,
+                              self.q_weight, self.k_weight)
+
+
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,22 +211,11 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     `choose_heads_per_program(T, H, Hkv)`'s choice. Each value is its own compile.
     """
     num_tokens, width = qkv.shape
-    assert head_dim > 0 and head_dim & (head_dim - 1) == 0, (
-        f"head_dim must be a power of two, got {head_dim}")
-    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, (
-        f"rotary_dim must be even and in (0, head_dim], got {rotary_dim}")
     assert width == (num_heads + 2 * num_kv_heads) * head_dim, (
         f"qkv width {width} != (H + 2 * Hkv) * D = {(num_heads + 2 * num_kv_heads) * head_dim}")
     assert qkv.stride(-1) == 1, "qkv's last dim must be contiguous"
-    assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,), (
-        "positions and slot_mapping must be [num_tokens]")
-    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == rotary_dim, (
-        f"cos_sin_cache {tuple(cos_sin_cache.shape)} does not match rotary_dim {rotary_dim}")
-    assert cos_sin_cache.stride(1) == 1 and cos_sin_cache.dtype == torch.float32
-    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
-        assert weight.shape == (head_dim,) and weight.stride(0) == 1, f"{name} must be [D]"
-        # rms_norm's result dtype is weight * x's promotion: exact only when they agree.
-        assert weight.dtype == qkv.dtype, f"{name} is {weight.dtype}, qkv is {qkv.dtype}"
+    _check_norm_rope_args(num_tokens, qkv.dtype, head_dim, rotary_dim, positions, slot_mapping,
+                          cos_sin_cache, q_weight, k_weight)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), (
         f"cache {tuple(k_cache.shape)} does not match (Hkv, D) = {(num_kv_heads, head_dim)}")
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache strides differ"

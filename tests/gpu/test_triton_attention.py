@@ -27,6 +27,7 @@ from models.kernels.paged_attention import (
     split_counters,
     split_workspace,
 )
+from models.layers.rotary import RotaryEmbedding
 from tests.gpu.graphs import capture
 
 DEVICE = torch.device("cuda")
@@ -416,6 +417,201 @@ def test_matches_torch_backend() -> None:
     cu = batch.meta.cu_seqlens_q_cpu
     assert max_row_rel_err(torch_out, batch.ref, cu) < TOL[dtype]
     assert max_row_rel_err(triton_out, torch_out.double(), cu) < TOL[dtype]
+
+
+# ---------------------------------------------------- fused q/k norm + rotary + store (decode)
+
+# Serving layouts whose decode attention takes the fused launch: Qwen3-8B at TP=4, Qwen3-0.6B.
+QK_LAYOUTS = [(8, 2, 128), (16, 8, 128)]  # (heads, kv_heads, head_dim)
+QK_EPS = 1e-6
+QK_MAX_POSITION = 16384
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+@dataclass
+class QKDecodeStep:
+    """A decode step before q/k norm: the packed projection and the norm/rotary inputs."""
+
+    qkv: torch.Tensor  # [B, (H + 2 * Hkv) * D] raw q | k | v
+    positions: torch.Tensor  # [B] int64
+    cos_sin_cache: torch.Tensor  # [QK_MAX_POSITION, D] float32
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]; cached part random, rest NaN
+    meta: AttentionMetadata
+
+
+def make_qk_decode_step(cached: list[int], layout: tuple[int, int, int], block_size: int,
+                        dtype: torch.dtype, seed: int) -> QKDecodeStep:
+    """One decode token per row after cached[i] cached tokens (random K/V), blocks shuffled
+    over the cache."""
+    heads, kv_heads, dim = layout
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    need = [-(-(c + 1) // block_size) for c in cached]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(cached))]
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, dim), NAN, dtype=dtype,
+                          device=DEVICE)
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, dim)
+    for num_cached, table in zip(cached, tables, strict=True):
+        pos = torch.arange(num_cached, device=DEVICE)
+        slots = torch.tensor(table, device=DEVICE)[pos // block_size] * block_size + (
+            pos % block_size)
+        flat[:, slots] = torch.randn(2, num_cached, kv_heads, dim, generator=gen,
+                                     device=DEVICE).to(dtype)
+    meta = make_attention_metadata([1] * len(cached), [c + 1 for c in cached], tables,
+                                   block_size, device=DEVICE)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = (2 * torch.randn(len(cached), width, generator=gen, device=DEVICE)).to(dtype)
+    # Weights far from 1 and different for q and k, so a mixed-up weight shows.
+    q_weight = (1 + 0.5 * torch.randn(dim, generator=gen, device=DEVICE)).to(dtype)
+    k_weight = (1 + 0.5 * torch.randn(dim, generator=gen, device=DEVICE)).to(dtype)
+    rope = RotaryEmbedding(dim, QK_MAX_POSITION, 1e6).to(DEVICE)
+    positions = torch.tensor(cached, dtype=torch.int64, device=DEVICE)  # seq_len - 1
+    return QKDecodeStep(qkv, positions, rope.cos_sin_cache, q_weight, k_weight, kv_cache, meta)
+
+
+def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str,
+                      max_fraction: float, rel_tol: float) -> None:
+    """got == want bit for bit save a few values within rel_tol: the fused kernel's q/k norm
+    adds its float32 sum of squares in another order than qk_norm_rope_store (its tiles lay
+    out differently), so rstd may differ by an ulp and flip a bf16 rounding now and then. A
+    wrong weight, position, slot or missed store changes most values, not a few."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
+    diff = got.contiguous().view(_BITS[got.dtype]) != want.contiguous().view(_BITS[want.dtype])
+    if not diff.any():
+        return
+    first = diff.nonzero()[0].tolist()
+    delta = (got.double() - want.double()).nan_to_num(nan=float("inf")).abs()
+    scale = want.double().nan_to_num(nan=0.0).abs()
+    report = (f"{what}: {int(diff.sum())} of {diff.numel()} values differ (first at {first}, "
+              f"got {got[tuple(first)].item()}, want {want[tuple(first)].item()}; "
+              f"max abs diff {delta[diff].max().item():.3g})")
+    assert diff.float().mean().item() <= max_fraction, report
+    assert (delta[diff] <= rel_tol * scale.max()).all(), report
+
+
+# Tolerances relative to the largest value: a flipped bf16 rounding is one ulp of a k value;
+# a flipped k moves every score of its row a little (call 2 of session 16: 45 of 65,536
+# output values, at most 0.00195 of a largest 1.125).
+CACHE_BITS = dict(max_fraction=1e-3, rel_tol=2.0**-7)
+OUTPUT_BITS = dict(max_fraction=0.05, rel_tol=2e-2)
+
+
+def _unfused_step(backend: TritonAttentionBackend, step: QKDecodeStep, qkv: torch.Tensor,
+                  positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                  layout: tuple[int, int, int]) -> torch.Tensor:
+    """qk_norm_rope_store + forward (writes kv_cache): what the fused call must equal."""
+    heads, kv_heads, dim = layout
+    q = backend.qk_norm_rope_store(qkv, positions, step.cos_sin_cache, step.q_weight,
+                                   step.k_weight, QK_EPS, kv_cache[0], kv_cache[1],
+                                   meta.slot_mapping, heads, kv_heads, dim, dim)
+    return backend.forward(q, kv_cache, meta, dim**-0.5)
+
+
+def _qk_cached_lens(num_seqs: int, rng: random.Random) -> list[int]:
+    if num_seqs == 1:  # one long row: the 32-way split prefetch launch
+        return [rng.randint(8000, 12000)]
+    if num_seqs == 3:  # an empty context, one shorter than a key tile, one long
+        return [0, rng.randint(1, 40), rng.randint(3000, 6000)]
+    return [rng.randint(0, 4000 if num_seqs <= 8 else 2048) for _ in range(num_seqs)]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("layout", QK_LAYOUTS, ids=_layout_id)
+@pytest.mark.parametrize("num_seqs", [1, 3, 8, 64])
+def test_fused_qk_norm_rope_decode_matches_unfused(num_seqs: int, layout: tuple[int, int, int],
+                                                   block_size: int) -> None:
+    """decode_attention_qk_norm_rope == qk_norm_rope_store + forward, bit for bit but for
+    the odd norm rounding (_assert_same_bits): the output and the whole cache afterwards
+    (never-written slots stay NaN in both)."""
+    heads, kv_heads, dim = layout
+    dtype = torch.bfloat16
+    seed = _seed("qk_fused", num_seqs, layout, block_size)
+    step = make_qk_decode_step(_qk_cached_lens(num_seqs, random.Random(seed)), layout,
+                               block_size, dtype, seed)
+    backend = TritonAttentionBackend()
+    unfused_cache = step.kv_cache.clone()
+    want = _unfused_step(backend, step, step.qkv, step.positions, unfused_cache, step.meta,
+                         layout)
+    fused_cache = step.kv_cache.clone()
+    got = backend.decode_attention_qk_norm_rope(
+        step.qkv, step.positions, step.cos_sin_cache, step.q_weight, step.k_weight, QK_EPS,
+        fused_cache, step.meta, heads, kv_heads, dim, dim, dim**-0.5)
+    torch.cuda.synchronize()
+    assert not want.isnan().any(), "the unfused output has NaN"
+    # The cache first: a k that differs there (rounding of the fused norm) explains an output
+    # that differs.
+    _assert_same_bits(fused_cache, unfused_cache, "cache", **CACHE_BITS)
+    _assert_same_bits(got, want, "output", **OUTPUT_BITS)
+
+
+@pytest.mark.parametrize("layout", QK_LAYOUTS, ids=_layout_id)
+def test_fused_qk_norm_rope_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
+    """decode_attention_qk_norm_rope captured once for a decode batch whose last row pads
+    (seq_len 0, slot -1), replayed over new lengths, slots and data: each replay equals the
+    eager qk_norm_rope_store + forward on the same inputs (as _assert_same_bits allows),
+    output (real rows) and cache alike (the padding row stores nothing)."""
+    heads, kv_heads, dim = layout
+    dtype, block_size, num_seqs, max_ctx = torch.bfloat16, 16, 6, 3000  # last row: padding
+    max_blocks = -(-(max_ctx + 1) // block_size)
+    num_blocks = num_seqs * max_blocks + 1
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=dtype, device=DEVICE)
+    qkv = torch.zeros(num_seqs, (heads + 2 * kv_heads) * dim, dtype=dtype, device=DEVICE)
+    positions = torch.zeros(num_seqs, dtype=torch.int64, device=DEVICE)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE),
+        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.zeros(num_seqs, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=DEVICE),
+        max_query_len=1, max_seq_len=max_ctx + 1, decode_only=True)
+    seed = _seed("qk_graph", layout)
+    # Weights and rotary table: the model's, fixed across steps.
+    weights = make_qk_decode_step([0], layout, block_size, dtype, seed)
+    backend = TritonAttentionBackend()
+    scale = dim**-0.5
+
+    def step() -> torch.Tensor:
+        return backend.decode_attention_qk_norm_rope(
+            qkv, positions, weights.cos_sin_cache, weights.q_weight, weights.k_weight, QK_EPS,
+            kv_cache, meta, heads, kv_heads, dim, dim, scale)
+
+    graph, out = capture(step)
+
+    rng = random.Random(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    real = slice(0, num_seqs - 1)
+    outputs = []
+    for lens in ([rng.randint(1, max_ctx + 1) for _ in range(num_seqs - 1)],
+                 [1, 2, rng.randint(3, 40), rng.randint(100, 600), rng.randint(2000, max_ctx)]):
+        batch = make_qk_decode_step([n - 1 for n in lens], layout, block_size, dtype,
+                                    rng.randrange(2**31))
+        assert batch.kv_cache.shape[1] <= num_blocks
+        kv_cache.fill_(NAN)
+        kv_cache[:, :batch.kv_cache.shape[1]] = batch.kv_cache
+        qkv[real] = batch.qkv
+        qkv[-1] = (2 * torch.randn(qkv.shape[1], generator=gen, device=DEVICE)).to(dtype)
+        positions[real] = batch.positions
+        positions[-1] = 0
+        meta.slot_mapping[real] = batch.meta.slot_mapping
+        meta.slot_mapping[-1] = -1
+        meta.seq_lens.copy_(torch.tensor(lens + [0], dtype=torch.int32))
+        meta.block_tables.zero_()
+        meta.block_tables[real, :batch.meta.block_tables.shape[1]] = batch.meta.block_tables
+        eager_cache = kv_cache.clone()
+        want = _unfused_step(backend, weights, qkv, positions, eager_cache, meta, layout)
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not want[real].isnan().any(), f"lengths {lens}: the eager output has NaN"
+        _assert_same_bits(kv_cache, eager_cache, f"lengths {lens}: cache", **CACHE_BITS)
+        _assert_same_bits(out[real], want[real], f"lengths {lens}: output",
+                          **OUTPUT_BITS)
+        assert torch.count_nonzero(backend.split_kv_counters(qkv.device)) == 0, (
+            "split counters not left zeroed")
+        outputs.append(out[real].clone())
+    assert not torch.equal(outputs[0], outputs[1]), "the replays did not see the new inputs"
 
 
 # ------------------------------------------------------------------------------ flash-attn

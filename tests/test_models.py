@@ -456,3 +456,26 @@ def test_tensor_parallel_matches_transformers(tiny_model_dir, hf_model, tmp_path
             ref = hf_logits(hf_model, tokens)
             torch.testing.assert_close(l1, ref[:-1], atol=ATOL, rtol=1e-4)
             torch.testing.assert_close(l2, ref[-1:], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_decode_attention_fuses_qk_norm_on_one_rank_only(tiny_model_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         tp_size: int) -> None:
+    """Qwen3 takes a backend's fused decode attention (q/k norm + rotary + store inside the
+    attention launch) only at TP <= FUSED_DECODE_ATTENTION_MAX_TP, where it measured faster;
+    above it the two launches stay."""
+    import models.qwen3 as qwen3
+
+    def fused(*args: object) -> None:
+        raise AssertionError("not called here")
+
+    class FusingBackend(TorchAttentionBackend):
+        decode_attention_qk_norm_rope = staticmethod(fused)
+
+    monkeypatch.setattr(qwen3, "get_tp_size", lambda: tp_size)
+    config = Qwen3Config.from_dir(tiny_model_dir)
+    attn = qwen3.Qwen3Attention(config, qwen3.RotaryEmbedding(config.head_dim, 64, 1e6),
+                                FusingBackend())
+    want = fused if tp_size <= qwen3.FUSED_DECODE_ATTENTION_MAX_TP else None
+    assert attn._fused_decode is want

@@ -292,7 +292,8 @@ class ModelRunner:
         recompiles). Writes KV into scratch blocks no sequence owns yet; every block is
         written before it is read once allocated."""
         attn = self.model.attention_layers()[0]
-        self.backend.warm_up(attn.kv_cache, attn.num_heads)
+        self.backend.warm_up(attn.kv_cache, attn.num_heads,
+                             fused_decode_rotary_dim=self.model.fused_decode_rotary_dim())
         for query_lens, seq_lens in self._WARM_UP_BATCHES:
             seq_lens = [min(n, self.config.max_model_len) for n in seq_lens]
             query_lens = [min(q, n) for q, n in zip(query_lens, seq_lens, strict=True)]

@@ -218,6 +218,13 @@ class Qwen3ForCausalLM(nn.Module):
         the float32 copy they need (at batch 256 the copy was a 100 us kernel a step)."""
         return self.lm_head(hidden_states, gather)
 
+    def fused_decode_rotary_dim(self) -> int | None:
+        """The rotary_dim of the decode attention launches that norm and rotate q/k
+        themselves (what the backend's warm_up compiles), or None where the layers do not
+        take them (the backend has none, or TP > FUSED_DECODE_ATTENTION_MAX_TP)."""
+        attn = self.model.layers[0].self_attn
+        return attn.rotary_emb.rotary_dim if attn._fused_decode is not None else None
+
     def attention_layers(self) -> list[Attention]:
         """Every Attention module in layer order; the runner sets their `kv_cache`."""
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -243,7 +243,8 @@ def check_matches_reference(b: DecodeBatch, launches: list[AttentionLaunch]) -> 
 
 # --------------------------------------------------------------------------- pytest side
 
-CHECKS = ["unfused_float32", "unfused_bfloat16", "partial_rotary", "reference", "backend"]
+CHECKS = ["unfused_float32", "unfused_bfloat16", "partial_rotary", "reference", "backend",
+          "warm_up"]
 
 test_decode_qk_attention_interpreted = interpreted_check_test(__file__, CHECKS)
 
@@ -459,9 +460,19 @@ def _main() -> None:
             assert_same_bits(fused.storage, unfused.storage, f"backend {layout} {dtype} cache")
         assert splits == {(4, 0, False), (2, 512, False), (32, 0, True)}, splits
 
+    def check_warm_up() -> None:
+        # Every plain and fused launch variant runs once on the cache; none may write it.
+        for layout, rotary_dim in (((4, 2, 32), 32), ((3, 1, 32), 16)):
+            heads, kv_heads, dim = layout
+            kv_cache = torch.randn(2, 3, 16, kv_heads, dim, generator=gen)
+            before = kv_cache.clone()
+            TritonAttentionBackend(num_sms=8).warm_up(kv_cache, heads,
+                                                      fused_decode_rotary_dim=rotary_dim)
+            assert torch.equal(kv_cache, before), f"warm_up wrote the cache ({layout})"
+
     checks = dict(unfused_float32=check_unfused_float32,
                   unfused_bfloat16=check_unfused_bfloat16, partial_rotary=check_partial_rotary,
-                  reference=check_reference, backend=check_backend)
+                  reference=check_reference, backend=check_backend, warm_up=check_warm_up)
     run_checks([(name, checks[name]) for name in CHECKS])
 
 

@@ -474,8 +474,13 @@ def test_decode_attention_fuses_qk_norm_on_one_rank_only(tiny_model_dir: Path,
         decode_attention_qk_norm_rope = staticmethod(fused)
 
     monkeypatch.setattr(qwen3, "get_tp_size", lambda: tp_size)
-    config = Qwen3Config.from_dir(tiny_model_dir)
-    attn = qwen3.Qwen3Attention(config, qwen3.RotaryEmbedding(config.head_dim, 64, 1e6),
-                                FusingBackend())
-    want = fused if tp_size <= qwen3.FUSED_DECODE_ATTENTION_MAX_TP else None
-    assert attn._fused_decode is want
+    model = qwen3.Qwen3ForCausalLM(Qwen3Config.from_dir(tiny_model_dir), FusingBackend())
+    takes_it = tp_size <= qwen3.FUSED_DECODE_ATTENTION_MAX_TP
+    for layer in model.model.layers:
+        assert layer.self_attn._fused_decode is (fused if takes_it else None)
+    # What the runner's warm-up compiles follows the same rule.
+    rotary_dim = model.model.layers[0].self_attn.rotary_emb.rotary_dim
+    assert model.fused_decode_rotary_dim() == (rotary_dim if takes_it else None)
+    plain = qwen3.Qwen3ForCausalLM(Qwen3Config.from_dir(tiny_model_dir),
+                                   TorchAttentionBackend())
+    assert plain.fused_decode_rotary_dim() is None

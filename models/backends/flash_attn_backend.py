@@ -80,7 +80,8 @@ class FlashAttnBackend:
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale, causal=True, block_table=meta.block_tables)
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int,
+                fused_decode_rotary_dim: int | None = None) -> None:
         """Nothing to compile ahead of serving."""
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

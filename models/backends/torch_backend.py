@@ -79,7 +79,8 @@ class TorchAttentionBackend:
             out[start:end] = _attend(query[start:end], key, value, scale)
         return out
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int,
+                fused_decode_rotary_dim: int | None = None) -> None:
         """Nothing to compile ahead of serving."""
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

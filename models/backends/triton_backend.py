@@ -155,11 +155,14 @@ class TritonAttentionBackend:
                         scale, launch, out=out, seq_base=seq_base,
                         counters=self.split_kv_counters(query.device), qk_norm_rope=qk_norm_rope)
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int,
+                fused_decode_rotary_dim: int | None = None) -> None:
         """Compile every attention launch variant for this layer layout now (one tiny batch
         each), so none compiles in the middle of serving: a compile there stalls every
         request in the step for a second. kv_cache [2, num_blocks, block_size, Hkv, D]; its
-        block 0 is read, nothing is written to it."""
+        block 0 is read, nothing is written to it. `fused_decode_rotary_dim`: the model's
+        rotary_dim where it calls decode_attention_qk_norm_rope (its decode variants are
+        compiled too), else None."""
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         device, dtype = kv_cache.device, kv_cache.dtype
         query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
@@ -171,15 +174,18 @@ class TritonAttentionBackend:
         counters = self.split_kv_counters(device)
         for launch in launch_variants(num_heads // num_kv_heads, dtype):
             paged_attention(*args, launch, counters=counters)
-        # The decode launches that norm, rotate and store q/k on the way, with Qwen3Model's
-        # rotary over the whole head; slot -1: nothing is stored.
+        if fused_decode_rotary_dim is None:
+            return
+        # The decode launches that norm, rotate and store q/k on the way; slot -1: nothing
+        # is stored.
+        rotary_dim = fused_decode_rotary_dim
         new_kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
         fused = QKNormRope(
             new_kv, new_kv, torch.zeros(1, dtype=torch.long, device=device),
             torch.full((1,), -1, dtype=torch.long, device=device),
-            torch.zeros(1, head_dim, dtype=torch.float32, device=device),
+            torch.zeros(1, rotary_dim, dtype=torch.float32, device=device),
             torch.ones(head_dim, dtype=dtype, device=device),
-            torch.ones(head_dim, dtype=dtype, device=device), 1e-6, head_dim)
+            torch.ones(head_dim, dtype=dtype, device=device), 1e-6, rotary_dim)
         for launch in decode_launch_variants(num_heads // num_kv_heads, dtype):
             paged_attention(*args, launch, counters=counters, qk_norm_rope=fused)
 

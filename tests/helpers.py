@@ -56,3 +56,15 @@ def spy_preemptions(llm) -> list[str]:
 
     llm.engine.scheduler.schedule = spy
     return preempted
+
+
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
+                   torch.float16: torch.int16}
+
+
+def bits_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the elements whose bit patterns differ (NaN == NaN when the bits agree,
+    0.0 != -0.0): for checks that two kernels give the very same values."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+    as_int = _SAME_WIDTH_INT[got.dtype]
+    return got.contiguous().view(as_int) != want.contiguous().view(as_int)

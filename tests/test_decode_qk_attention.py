@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from models.attention_metadata import AttentionMetadata, make_attention_metadata
+from tests.helpers import bits_differ
 from tests.interpret import interpreted_check_test, round_bf16_like_the_gpu, run_checks
 from tests.test_qk_norm_rope_kernel import (
     EPS,
@@ -149,18 +150,14 @@ def run_fused(b: DecodeBatch, x: Inputs, launch: AttentionLaunch) -> torch.Tenso
                            m.block_tables, b.scale, launch, out=out, qk_norm_rope=fused)
 
 
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
-    g, w = got.contiguous(), want.contiguous()
-    diff = g.view(_BITS[g.dtype]) != w.view(_BITS[w.dtype])
+    diff = bits_differ(got, want)
     if diff.any():
-        first = diff.nonzero()[0].tolist()
+        first = tuple(diff.nonzero()[0].tolist())
         raise AssertionError(
-            f"{what}: {int(diff.sum())} of {diff.numel()} values differ, first at {first}: "
-            f"got {g[tuple(first)].item()}, want {w[tuple(first)].item()}")
+            f"{what}: {int(diff.sum())} of {diff.numel()} values differ, first at "
+            f"{list(first)}: got {got[first].item()}, want {want[first].item()}")
 
 
 def decode_launches(layout: tuple[int, int, int]) -> list[AttentionLaunch]:
@@ -461,14 +458,17 @@ def _main() -> None:
         assert splits == {(4, 0, False), (2, 512, False), (32, 0, True)}, splits
 
     def check_warm_up() -> None:
-        # Every plain and fused launch variant runs once on the cache; none may write it.
+        # Every plain and fused launch variant runs once on the cache; none may write it,
+        # nor the guard slot on either side (where a store at slot -1 would land).
         for layout, rotary_dim in (((4, 2, 32), 32), ((3, 1, 32), 16)):
             heads, kv_heads, dim = layout
-            kv_cache = torch.randn(2, 3, 16, kv_heads, dim, generator=gen)
-            before = kv_cache.clone()
+            guard = kv_heads * dim
+            storage = torch.randn(2 * 3 * 16 * guard + 2 * guard, generator=gen)
+            kv_cache = storage[guard:-guard].view(2, 3, 16, kv_heads, dim)
+            before = storage.clone()
             TritonAttentionBackend(num_sms=8).warm_up(kv_cache, heads,
                                                       fused_decode_rotary_dim=rotary_dim)
-            assert torch.equal(kv_cache, before), f"warm_up wrote the cache ({layout})"
+            assert torch.equal(storage, before), f"warm_up wrote the cache ({layout})"
 
     checks = dict(unfused_float32=check_unfused_float32,
                   unfused_bfloat16=check_unfused_bfloat16, partial_rotary=check_partial_rotary,

@@ -29,6 +29,7 @@ from models.kernels.paged_attention import (
 )
 from models.layers.rotary import RotaryEmbedding
 from tests.gpu.graphs import capture
+from tests.helpers import bits_differ
 
 DEVICE = torch.device("cuda")
 NAN = float("nan")
@@ -96,17 +97,33 @@ class Batch:
     scale: float
 
 
+def shuffled_cache(seq_lens: list[int], layout: tuple[int, int, int], block_size: int,
+                   dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """A NaN cache [2, num_blocks, block_size, Hkv, D] with room for rows of seq_lens tokens
+    (3 blocks spare), and each row's block table over shuffled blocks."""
+    _, kv_heads, dim = layout
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(seq_lens))]
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, dim), NAN, dtype=dtype,
+                          device=DEVICE)
+    return kv_cache, tables
+
+
+def cached_slots(table: list[int], num_cached: int, block_size: int) -> torch.Tensor:
+    """[num_cached] cache slots of a row's positions 0..num_cached-1."""
+    pos = torch.arange(num_cached, device=DEVICE)
+    return torch.tensor(table, device=DEVICE)[pos // block_size] * block_size + (
+        pos % block_size)
+
+
 def make_batch(rows: list[tuple[int, int]], layout: tuple[int, int, int], block_size: int,
                dtype: torch.dtype, seed: int) -> Batch:
     heads, kv_heads, dim = layout
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    need = [-(-(c + q) // block_size) for c, q in rows]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(rows))]
-    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, dim), NAN, dtype=dtype,
-                          device=DEVICE)
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, dim)
+    kv_cache, tables = shuffled_cache([c + q for c, q in rows], layout, block_size, dtype, seed)
+    flat = kv_cache.view(2, -1, kv_heads, dim)
     scale = dim**-0.5
     qs, new_k, new_v, refs = [], [], [], []
     for (cached, q_len), table in zip(rows, tables, strict=True):
@@ -114,9 +131,7 @@ def make_batch(rows: list[tuple[int, int]], layout: tuple[int, int, int], block_
         v = torch.randn(cached + q_len, kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
         # x2: sharper softmax, so the online rescaling matters
         q = (2 * torch.randn(q_len, heads, dim, generator=gen, device=DEVICE)).to(dtype)
-        pos = torch.arange(cached, device=DEVICE)
-        slots = torch.tensor(table, device=DEVICE)[pos // block_size] * block_size + (
-            pos % block_size)
+        slots = cached_slots(table, cached, block_size)
         flat[0, slots] = k[:cached]
         flat[1, slots] = v[:cached]
         qs.append(q)
@@ -425,7 +440,6 @@ def test_matches_torch_backend() -> None:
 QK_LAYOUTS = [(8, 2, 128), (16, 8, 128)]  # (heads, kv_heads, head_dim)
 QK_EPS = 1e-6
 QK_MAX_POSITION = 16384
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 @dataclass
@@ -447,19 +461,11 @@ def make_qk_decode_step(cached: list[int], layout: tuple[int, int, int], block_s
     over the cache."""
     heads, kv_heads, dim = layout
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    need = [-(-(c + 1) // block_size) for c in cached]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(cached))]
-    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, dim), NAN, dtype=dtype,
-                          device=DEVICE)
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, dim)
+    kv_cache, tables = shuffled_cache([c + 1 for c in cached], layout, block_size, dtype, seed)
+    flat = kv_cache.view(2, -1, kv_heads, dim)
     for num_cached, table in zip(cached, tables, strict=True):
-        pos = torch.arange(num_cached, device=DEVICE)
-        slots = torch.tensor(table, device=DEVICE)[pos // block_size] * block_size + (
-            pos % block_size)
-        flat[:, slots] = torch.randn(2, num_cached, kv_heads, dim, generator=gen,
-                                     device=DEVICE).to(dtype)
+        flat[:, cached_slots(table, num_cached, block_size)] = torch.randn(
+            2, num_cached, kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
     meta = make_attention_metadata([1] * len(cached), [c + 1 for c in cached], tables,
                                    block_size, device=DEVICE)
     width = (heads + 2 * kv_heads) * dim
@@ -479,7 +485,7 @@ def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str,
     out differently), so rstd may differ by an ulp and flip a bf16 rounding now and then. A
     wrong weight, position, slot or missed store changes most values, not a few."""
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
-    diff = got.contiguous().view(_BITS[got.dtype]) != want.contiguous().view(_BITS[want.dtype])
+    diff = bits_differ(got, want)
     if not diff.any():
         return
     first = diff.nonzero()[0].tolist()

@@ -59,7 +59,7 @@ def rope_cos_sin(cos_sin_ptr, position_ptr, stride_cos_sin, HEAD_DIM: tl.constex
 
 @triton.jit
 def norm_rope_heads(rows_ptr, weight_ptr, cos, sin, eps,
-                     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
     """HEADS heads of HEAD_DIM contiguous values each -> normed and rotated, in the model
     dtype. rows_ptr: [HEADS, 1] pointers to each head's first value; cos, sin: [1, HEAD_DIM]
     float32 (1 and 0 past ROTARY_DIM)."""

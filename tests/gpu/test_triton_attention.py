@@ -269,6 +269,40 @@ def test_store_kv(dtype: torch.dtype, block_size: int) -> None:
     assert flat[:, untouched].isnan().all()
 
 
+def _padded_graph_batch(num_seqs: int, max_ctx: int, block_size: int, kv_heads: int,
+                        dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The cache [2, blocks, block_size, Hkv, D] and decode metadata a captured graph
+    keeps: room for num_seqs - 1 rows of up to max_ctx + 1 tokens and a last, padding row.
+    Zeros until _load_padded_batch fills them for a replay."""
+    max_blocks = -(-(max_ctx + 1) // block_size)
+    num_blocks = num_seqs * max_blocks + 1
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=dtype, device=DEVICE)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE),
+        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.zeros(num_seqs, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=DEVICE),
+        max_query_len=1, max_seq_len=max_ctx + 1, decode_only=True)
+    return kv_cache, meta
+
+
+def _load_padded_batch(kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       batch_cache: torch.Tensor, batch_meta: AttentionMetadata,
+                       lens: list[int]) -> None:
+    """A batch of len(lens) decode rows into every row but the last of the graph's cache and
+    metadata (_padded_graph_batch); the last row pads (seq_len 0, slot -1), and cache
+    slots the batch does not hold are NaN, so a read of one shows."""
+    assert batch_cache.shape[1] <= kv_cache.shape[1]
+    real = slice(0, len(lens))
+    kv_cache.fill_(NAN)
+    kv_cache[:, :batch_cache.shape[1]] = batch_cache
+    meta.slot_mapping[real] = batch_meta.slot_mapping
+    meta.slot_mapping[-1] = -1
+    meta.seq_lens.copy_(torch.tensor(lens + [0], dtype=torch.int32))
+    meta.block_tables.zero_()
+    meta.block_tables[real, :batch_meta.block_tables.shape[1]] = batch_meta.block_tables
+
+
 def _check_padded_replay(out: torch.Tensor, batch: Batch, counters: torch.Tensor,
                          what: str) -> None:
     """After a replay over `batch` in every row but the last, a seq_len 0 padding row: the
@@ -286,18 +320,10 @@ def test_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
     """Capture store_kv + forward once for a decode batch, replay with new lengths/data."""
     heads, kv_heads, dim = layout
     dtype, block_size, num_seqs, max_ctx = torch.bfloat16, 16, 6, 3000  # last row: padding
-    max_blocks = -(-(max_ctx + 1) // block_size)
-    num_blocks = num_seqs * max_blocks + 1
-    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=dtype, device=DEVICE)
+    kv_cache, meta = _padded_graph_batch(num_seqs, max_ctx, block_size, kv_heads, dim, dtype)
     query = torch.zeros(num_seqs, heads, dim, dtype=dtype, device=DEVICE)
     key = torch.zeros(num_seqs, kv_heads, dim, dtype=dtype, device=DEVICE)
     value = torch.zeros_like(key)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.zeros(num_seqs, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=DEVICE),
-        max_query_len=1, max_seq_len=max_ctx + 1, decode_only=True)
     backend = TritonAttentionBackend()
     scale = dim**-0.5
 
@@ -313,18 +339,10 @@ def test_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
         lens = [rng.randint(1, max_ctx + 1) for _ in range(num_seqs - 1)]
         batch = make_batch([(n - 1, 1) for n in lens], layout, block_size, dtype,
                            rng.randrange(2**31))
-        assert batch.kv_cache.shape[1] <= num_blocks
-        kv_cache.fill_(NAN)
-        kv_cache[:, :batch.kv_cache.shape[1]] = batch.kv_cache
+        _load_padded_batch(kv_cache, meta, batch.kv_cache, batch.meta, lens)
         real = slice(0, num_seqs - 1)
         query[real], key[real], value[real] = batch.query, batch.key, batch.value
         query[-1] = torch.randn(heads, dim, generator=gen, device=DEVICE).to(dtype)
-        meta.slot_mapping[real] = batch.meta.slot_mapping
-        meta.slot_mapping[-1] = -1
-        meta.seq_lens.copy_(torch.tensor(lens + [0], dtype=torch.int32))
-        meta.block_tables.zero_()
-        width = batch.meta.block_tables.shape[1]
-        meta.block_tables[real, :width] = batch.meta.block_tables
         out.fill_(NAN)
         graph.replay()
         _check_padded_replay(out, batch, backend.split_kv_counters(query.device), "")
@@ -561,17 +579,9 @@ def test_fused_qk_norm_rope_decode_cuda_graph_replay(layout: tuple[int, int, int
     output (real rows) and cache alike (the padding row stores nothing)."""
     heads, kv_heads, dim = layout
     dtype, block_size, num_seqs, max_ctx = torch.bfloat16, 16, 6, 3000  # last row: padding
-    max_blocks = -(-(max_ctx + 1) // block_size)
-    num_blocks = num_seqs * max_blocks + 1
-    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=dtype, device=DEVICE)
+    kv_cache, meta = _padded_graph_batch(num_seqs, max_ctx, block_size, kv_heads, dim, dtype)
     qkv = torch.zeros(num_seqs, (heads + 2 * kv_heads) * dim, dtype=dtype, device=DEVICE)
     positions = torch.zeros(num_seqs, dtype=torch.int64, device=DEVICE)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.zeros(num_seqs, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=DEVICE),
-        max_query_len=1, max_seq_len=max_ctx + 1, decode_only=True)
     seed = _seed("qk_graph", layout)
     # Weights and rotary table: the model's, fixed across steps.
     weights = make_qk_decode_step([0], layout, block_size, dtype, seed)
@@ -593,18 +603,11 @@ def test_fused_qk_norm_rope_decode_cuda_graph_replay(layout: tuple[int, int, int
                  [1, 2, rng.randint(3, 40), rng.randint(100, 600), rng.randint(2000, max_ctx)]):
         batch = make_qk_decode_step([n - 1 for n in lens], layout, block_size, dtype,
                                     rng.randrange(2**31))
-        assert batch.kv_cache.shape[1] <= num_blocks
-        kv_cache.fill_(NAN)
-        kv_cache[:, :batch.kv_cache.shape[1]] = batch.kv_cache
+        _load_padded_batch(kv_cache, meta, batch.kv_cache, batch.meta, lens)
         qkv[real] = batch.qkv
         qkv[-1] = (2 * torch.randn(qkv.shape[1], generator=gen, device=DEVICE)).to(dtype)
         positions[real] = batch.positions
         positions[-1] = 0
-        meta.slot_mapping[real] = batch.meta.slot_mapping
-        meta.slot_mapping[-1] = -1
-        meta.seq_lens.copy_(torch.tensor(lens + [0], dtype=torch.int32))
-        meta.block_tables.zero_()
-        meta.block_tables[real, :batch.meta.block_tables.shape[1]] = batch.meta.block_tables
         eager_cache = kv_cache.clone()
         want = _unfused_step(backend, weights, qkv, positions, eager_cache, meta, layout)
         out.fill_(NAN)

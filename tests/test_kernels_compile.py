@@ -450,7 +450,7 @@ def _all_reduce_norm_cases() -> list[Any]:
                               **_ptrs("i32", "epochs_ptr")},
                     constexprs=dict(RANK=rank, WORLD=world, BLOCK_H=block_h, PDL=True,
                                     HAS_RESIDUAL=has_residual, PUSHED=False),
-                    num_warps=4 if block_h <= 2048 else 8,
+                    num_warps=all_reduce_norm.norm_num_warps(block_h, world),
                     ints=dict(hidden=hidden, data_rows=data_rows,
                               stride_x=hidden, stride_r=hidden, stride_o=hidden,
                               stride_ro=hidden),

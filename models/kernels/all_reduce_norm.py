@@ -66,6 +66,14 @@ EMPTY_WORD = -32768
 _EMPTY_16 = tl.constexpr(EMPTY_WORD)  # 0x8000: -0.0, sent as +0.0
 _EMPTY_32 = tl.constexpr(-2147450880)  # 0x80008000, sent as 0x80000000 (-0.0)
 _EMPTY_32_SENT_AS = tl.constexpr(-2147483648)
+# A row's program polls the [W, hidden] tile of every rank's slots, and a thread's loads per
+# poll grow with its share of it: 32 elements a thread (four 16-byte loads in bf16) is the
+# share measured best. Qwen3-8B single-request decode at TP=4 (a [4, 4096] tile), 16 warps
+# against 8: 557.3 and 556.9 against 553.6 tok/s, and 557.3 against 553.8 and 554.9 in
+# another call; at TP=2 ([2, 4096], 8 warps) 16 warps gave 403.6 against 404.1. 32 warps
+# fell to 312 tok/s at both sizes (`bench offline --single`, H200s, session 18).
+ELEMENTS_PER_WARP = 1024
+MAX_WARPS = 16
 
 
 def fill_empty_(buffer: torch.Tensor) -> None:
@@ -277,6 +285,12 @@ def all_reduce_add_rms_norm(
         residual_out.stride(0),
         RANK=buffers.rank, WORLD=buffers.world_size, BLOCK_H=block_h, PDL=pdl,
         HAS_RESIDUAL=residual is not None, PUSHED=pushed,
-        num_warps=4 if block_h <= 2048 else 8, launch_pdl=pdl,
+        num_warps=norm_num_warps(block_h, buffers.world_size), launch_pdl=pdl,
     )
     return out, residual_out
+
+
+def norm_num_warps(block_h: int, world_size: int) -> int:
+    """Warps of the one program per row: one per ELEMENTS_PER_WARP elements of its
+    [world_size, block_h] poll tile, between 4 and MAX_WARPS."""
+    return min(MAX_WARPS, max(4, world_size * block_h // ELEMENTS_PER_WARP))

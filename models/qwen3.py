@@ -31,9 +31,11 @@ from models.parallel import PushedPartial, get_tp_size
 # Qwen3-8B shape, 512 + 512 single-request decode on H200s, fused / two launches (session
 # 16, `bench offline --single`): TP=1 230.8 / 227.5 and 223.8 / 222.1 tok/s (two machines),
 # TP=2 406.6 and 407.1 / 407.2, TP=4 547.2 and 548.1 / 553.7 (session 17: 547.8 / 552.3;
-# 549.9 with a qkv GEMV that lets the attention launch only as its programs exit). Above one
-# rank each attention program's longer chain (norm, store, barrier) costs as much as the
-# launch it saves, or more.
+# 549.9 with a qkv GEMV that lets the attention launch only as its programs exit). Session
+# 18 tried a fold that loads its first key tile before the PDL wait and needs no barrier:
+# TP=4 545.0 against 551.8 with two launches, TP=1 229.7 against this fold's 230.8. Above
+# one rank each attention program's longer chain (norm, store) costs as much as the launch
+# it saves, or more.
 FUSED_DECODE_ATTENTION_MAX_TP = 1
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from models.attention_metadata import AttentionMetadata, make_attention_metadata
-from tests.helpers import bits_differ
+from tests.helpers import assert_same_bits
 from tests.interpret import interpreted_check_test, round_bf16_like_the_gpu, run_checks
 from tests.test_qk_norm_rope_kernel import (
     EPS,
@@ -148,16 +148,6 @@ def run_fused(b: DecodeBatch, x: Inputs, launch: AttentionLaunch) -> torch.Tenso
     m = b.meta
     return paged_attention(q, x.kv_cache[0], x.kv_cache[1], m.cu_seqlens_q, m.seq_lens,
                            m.block_tables, b.scale, launch, out=out, qk_norm_rope=fused)
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
-    diff = bits_differ(got, want)
-    if diff.any():
-        first = tuple(diff.nonzero()[0].tolist())
-        raise AssertionError(
-            f"{what}: {int(diff.sum())} of {diff.numel()} values differ, first at "
-            f"{list(first)}: got {got[first].item()}, want {want[first].item()}")
 
 
 def decode_launches(layout: tuple[int, int, int]) -> list[AttentionLaunch]:

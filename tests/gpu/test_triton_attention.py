@@ -29,7 +29,7 @@ from models.kernels.paged_attention import (
 )
 from models.layers.rotary import RotaryEmbedding
 from tests.gpu.graphs import capture
-from tests.helpers import bits_differ
+from tests.helpers import assert_same_bits
 
 DEVICE = torch.device("cuda")
 NAN = float("nan")
@@ -496,26 +496,10 @@ def make_qk_decode_step(cached: list[int], layout: tuple[int, int, int], block_s
     return QKDecodeStep(qkv, positions, rope.cos_sin_cache, q_weight, k_weight, kv_cache, meta)
 
 
-def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str,
-                      max_fraction: float, rel_tol: float) -> None:
-    """got == want bit for bit save a few values within rel_tol: the fused kernel's q/k norm
-    adds its float32 sum of squares in another order than qk_norm_rope_store (its tiles lay
-    out differently), so rstd may differ by an ulp and flip a bf16 rounding now and then. A
-    wrong weight, position, slot or missed store changes most values, not a few."""
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
-    diff = bits_differ(got, want)
-    if not diff.any():
-        return
-    first = diff.nonzero()[0].tolist()
-    delta = (got.double() - want.double()).nan_to_num(nan=float("inf")).abs()
-    scale = want.double().nan_to_num(nan=0.0).abs()
-    report = (f"{what}: {int(diff.sum())} of {diff.numel()} values differ (first at {first}, "
-              f"got {got[tuple(first)].item()}, want {want[tuple(first)].item()}; "
-              f"max abs diff {delta[diff].max().item():.3g})")
-    assert diff.float().mean().item() <= max_fraction, report
-    assert (delta[diff] <= rel_tol * scale.max()).all(), report
-
-
+# The fused kernel's q/k norm adds its float32 sum of squares in another order than
+# qk_norm_rope_store (its tiles lay out differently), so rstd may differ by an ulp and flip a
+# bf16 rounding now and then. A wrong weight, position, slot or missed store changes most
+# values, not a few.
 # Tolerances relative to the largest value: a flipped bf16 rounding is one ulp of a k value;
 # a flipped k moves every score of its row a little (call 2 of session 16: 45 of 65,536
 # output values, at most 0.00195 of a largest 1.125).
@@ -548,7 +532,7 @@ def _qk_cached_lens(num_seqs: int, rng: random.Random) -> list[int]:
 def test_fused_qk_norm_rope_decode_matches_unfused(num_seqs: int, layout: tuple[int, int, int],
                                                    block_size: int) -> None:
     """decode_attention_qk_norm_rope == qk_norm_rope_store + forward, bit for bit but for
-    the odd norm rounding (_assert_same_bits): the output and the whole cache afterwards
+    the odd norm rounding (CACHE_BITS, OUTPUT_BITS): the output and the whole cache afterwards
     (never-written slots stay NaN in both)."""
     heads, kv_heads, dim = layout
     dtype = torch.bfloat16
@@ -567,15 +551,15 @@ def test_fused_qk_norm_rope_decode_matches_unfused(num_seqs: int, layout: tuple[
     assert not want.isnan().any(), "the unfused output has NaN"
     # The cache first: a k that differs there (rounding of the fused norm) explains an output
     # that differs.
-    _assert_same_bits(fused_cache, unfused_cache, "cache", **CACHE_BITS)
-    _assert_same_bits(got, want, "output", **OUTPUT_BITS)
+    assert_same_bits(fused_cache, unfused_cache, "cache", **CACHE_BITS)
+    assert_same_bits(got, want, "output", **OUTPUT_BITS)
 
 
 @pytest.mark.parametrize("layout", QK_LAYOUTS, ids=_layout_id)
 def test_fused_qk_norm_rope_decode_cuda_graph_replay(layout: tuple[int, int, int]) -> None:
     """decode_attention_qk_norm_rope captured once for a decode batch whose last row pads
     (seq_len 0, slot -1), replayed over new lengths, slots and data: each replay equals the
-    eager qk_norm_rope_store + forward on the same inputs (as _assert_same_bits allows),
+    eager qk_norm_rope_store + forward on the same inputs (as CACHE_BITS and OUTPUT_BITS allow),
     output (real rows) and cache alike (the padding row stores nothing)."""
     heads, kv_heads, dim = layout
     dtype, block_size, num_seqs, max_ctx = torch.bfloat16, 16, 6, 3000  # last row: padding
@@ -614,8 +598,8 @@ def test_fused_qk_norm_rope_decode_cuda_graph_replay(layout: tuple[int, int, int
         graph.replay()
         torch.cuda.synchronize()
         assert not want[real].isnan().any(), f"lengths {lens}: the eager output has NaN"
-        _assert_same_bits(kv_cache, eager_cache, f"lengths {lens}: cache", **CACHE_BITS)
-        _assert_same_bits(out[real], want[real], f"lengths {lens}: output",
+        assert_same_bits(kv_cache, eager_cache, f"lengths {lens}: cache", **CACHE_BITS)
+        assert_same_bits(out[real], want[real], f"lengths {lens}: output",
                           **OUTPUT_BITS)
         assert torch.count_nonzero(backend.split_kv_counters(qkv.device)) == 0, (
             "split counters not left zeroed")

@@ -154,11 +154,10 @@ def decode_launches(layout: tuple[int, int, int]) -> list[AttentionLaunch]:
     """Unsplit, split 2 (with partitions of >= 16 keys, so short rows take one and a
     17-key row puts its new key alone in the second), split 4, and split 4 as the
     small-decode prefetch launch (8 warps)."""
-    from models.kernels.paged_attention import AttentionLaunch
+    from models.kernels.paged_attention import AttentionLaunch, _block_qs, _group_pad
 
     heads, kv_heads, _ = layout
-    group_pad = 1 << (heads // kv_heads - 1).bit_length()
-    block_q = max(1, 16 // group_pad)
+    block_q, _ = _block_qs(_group_pad(heads // kv_heads))
     return [AttentionLaunch(block_q=block_q, block_n=16, num_splits=1),
             AttentionLaunch(block_q=block_q, block_n=16, num_splits=2, min_split_len=16),
             AttentionLaunch(block_q=block_q, block_n=16, num_splits=4),

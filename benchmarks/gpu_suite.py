@@ -10,7 +10,8 @@ decode step's achieved bandwidth), tp (Qwen3-8B shape at TP=1/2/4 where GPUs all
 GEMVs' push off and on), profile_tp (Qwen3-8B batch-1 profiles at TP=1/2/4),
 offline_profile (the workload under torch.profiler, device time by kernel group),
 kernels (attention split-count and GEMV config sweeps), decode_graph (device time of the
-captured decode graph with programmatic dependent launch off and on).
+captured decode graph with programmatic dependent launch off and on), ab (Qwen3-8B single
+request on several source trees in turn: `--ab-trees main=. exp=/tmp/X,VAR=VALUE`).
 Logs go to $OUT (or ./.out); figures are appended to RESULTS.md (NANOSERVE_RESULTS to
 redirect); a table is printed last.
 """
@@ -30,12 +31,13 @@ OUT = Path(os.environ.get("OUT", ROOT / ".out"))
 ROWS: list[tuple[str, str, str]] = []
 
 
-def sh(name: str, cmd: list[str], timeout: float, env: dict | None = None) -> str:
+def sh(name: str, cmd: list[str], timeout: float, env: dict | None = None,
+       cwd: Path = ROOT) -> str:
     """Run a command, tee its output to OUT/name.log, return the output."""
     OUT.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
         text = proc.stdout + proc.stderr
         rc = proc.returncode
@@ -251,6 +253,52 @@ def stage_tp_push(args) -> None:
                          f"device ms/step {' / '.join(device)}"))
 
 
+def parse_ab_tree(spec: str) -> tuple[str, Path, dict[str, str]]:
+    """"NAME=DIR[,VAR=VALUE...]" -> (name, directory, environment)."""
+    name, _, rest = spec.partition("=")
+    directory, *settings = rest.split(",")
+    if not name or not directory:
+        raise ValueError(f"--ab-trees entry must be NAME=DIR[,VAR=VALUE...], got {spec!r}")
+    env = {}
+    for setting in settings:
+        var, eq, value = setting.partition("=")
+        if not var or not eq:
+            raise ValueError(f"--ab-trees setting must be VAR=VALUE, got {setting!r} in {spec!r}")
+        env[var] = value
+    return name, Path(directory).resolve(), env
+
+
+def _tree_env(directory: Path, env: dict[str, str]) -> dict[str, str]:
+    path = os.pathsep.join([str(directory), str(directory / "proto"),
+                            os.environ.get("PYTHONPATH", "")])
+    return {**env, "PYTHONPATH": path}
+
+
+def stage_ab(args) -> None:
+    """Qwen3-8B single request on each --ab-trees tree in turn, --ab-rounds times, at each
+    --ab-tp size. Each run starts inside its tree: `python -m` puts the working directory
+    ahead of PYTHONPATH, so a run started elsewhere would import that directory's code (it
+    voided session 19's A/Bs); each tree's import is checked before its runs."""
+    trees = [parse_ab_tree(spec) for spec in args.ab_trees]
+    for name, directory, env in trees:
+        text = sh(f"ab_{name}_import", [sys.executable, "-c",
+                                        "import models.parallel as m; print(m.__file__)"],
+                  timeout=60, env=_tree_env(directory, env), cwd=directory)
+        imported = Path(text.strip().splitlines()[-1] if text.strip() else "").resolve()
+        if not imported.is_relative_to(directory):
+            raise RuntimeError(f"tree {name} imports {imported}, not from {directory}")
+    for tp in args.ab_tp:
+        for round_ in range(1, args.ab_rounds + 1):
+            for name, directory, env in trees:
+                text = sh(f"ab_tp{tp}_{name}_{round_}", _tp_single(tp, "--no-record"),
+                          timeout=420, env=_tree_env(directory, env), cwd=directory)
+                m = _decode_rate(text)
+                device = re.findall(r"device ([\d.]+) ms", text)
+                ROWS.append((f"A/B TP={tp} {name}, round {round_}",
+                             f"{m.group(1)} tok/s" if m else "FAILED",
+                             f"device ms/step {' / '.join(device)}"))
+
+
 def stage_decode_graph(args) -> None:
     """Device time of the captured decode graph with programmatic dependent launch off and
     on (one process per setting: graphs are captured at start-up)."""
@@ -271,7 +319,7 @@ STAGES = {"tests": stage_tests, "offline": stage_offline, "offline_sync": stage_
           "tp_push": stage_tp_push,
           "profile": stage_profile, "profile_tp": stage_profile_tp,
           "allreduce": stage_allreduce, "kernels": stage_kernels,
-          "decode_graph": stage_decode_graph}
+          "decode_graph": stage_decode_graph, "ab": stage_ab}
 
 
 def main() -> int:
@@ -281,6 +329,11 @@ def main() -> int:
     p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[])
     p.add_argument("--pytest-args", nargs="*", default=[])
     p.add_argument("--tp-throughput", action="store_true")
+    p.add_argument("--ab-trees", nargs="*", default=[],
+                   help="stage ab: NAME=DIR[,VAR=VALUE...] per tree, e.g. main=. "
+                        "local=/tmp/L,NANOSERVE_PUSH_PARTIALS=local")
+    p.add_argument("--ab-tp", nargs="*", type=int, default=[4])
+    p.add_argument("--ab-rounds", type=int, default=2)
     args = p.parse_args()
     from benchmarks.model_configs import resolve_model
 

@@ -246,11 +246,16 @@ def stage_tp_push(args) -> None:
         for push in ("0", "1"):
             text = sh(f"tp{tp}_push{push}_single", _tp_single(tp, "--no-record"),
                       timeout=420, env={"NANOSERVE_PUSH_PARTIALS": push})
-            m = _decode_rate(text)
-            device = re.findall(r"device ([\d.]+) ms", text)
-            ROWS.append((f"Qwen3-8B TP={tp} single decode, push={push}",
-                         f"{m.group(1)} tok/s" if m else "FAILED",
-                         f"device ms/step {' / '.join(device)}"))
+            _add_single_row(f"Qwen3-8B TP={tp} single decode, push={push}", text)
+
+
+def _add_single_row(label: str, text: str) -> None:
+    """A table row from a single-request bench's output: its median rate and each run's
+    device time a step."""
+    m = _decode_rate(text)
+    device = re.findall(r"device ([\d.]+) ms", text)
+    ROWS.append((label, f"{m.group(1)} tok/s" if m else "FAILED",
+                 f"device ms/step {' / '.join(device)}"))
 
 
 def parse_ab_tree(spec: str) -> tuple[str, Path, dict[str, str]]:
@@ -284,19 +289,15 @@ def stage_ab(args) -> None:
         text = sh(f"ab_{name}_import", [sys.executable, "-c",
                                         "import models.parallel as m; print(m.__file__)"],
                   timeout=60, env=_tree_env(directory, env), cwd=directory)
-        imported = Path(text.strip().splitlines()[-1] if text.strip() else "").resolve()
-        if not imported.is_relative_to(directory):
-            raise RuntimeError(f"tree {name} imports {imported}, not from {directory}")
+        lines = text.strip().splitlines()
+        if not lines or not Path(lines[-1]).resolve().is_relative_to(directory):
+            raise RuntimeError(f"tree {name} imports {lines[-1:]}, not from {directory}")
     for tp in args.ab_tp:
         for round_ in range(1, args.ab_rounds + 1):
             for name, directory, env in trees:
                 text = sh(f"ab_tp{tp}_{name}_{round_}", _tp_single(tp, "--no-record"),
                           timeout=420, env=_tree_env(directory, env), cwd=directory)
-                m = _decode_rate(text)
-                device = re.findall(r"device ([\d.]+) ms", text)
-                ROWS.append((f"A/B TP={tp} {name}, round {round_}",
-                             f"{m.group(1)} tok/s" if m else "FAILED",
-                             f"device ms/step {' / '.join(device)}"))
+                _add_single_row(f"A/B TP={tp} {name}, round {round_}", text)
 
 
 def stage_decode_graph(args) -> None:

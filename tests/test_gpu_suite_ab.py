@@ -32,7 +32,10 @@ def _args(*trees: str) -> argparse.Namespace:
 
 def test_a_tree_that_imports_the_repository_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_suite, "OUT", tmp_path / "out")
-    empty = tmp_path / "empty"  # no models/ here: the import falls through to the repo
+    # The repository on PYTHONPATH, as on the device: with no models/ in the tree, the
+    # import falls through to it.
+    monkeypatch.setenv("PYTHONPATH", str(gpu_suite.ROOT))
+    empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(RuntimeError, match="tree empty imports"):
         gpu_suite.stage_ab(_args(f"main={gpu_suite.ROOT}", f"empty={empty}"))

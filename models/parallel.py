@@ -238,6 +238,9 @@ ARGMAX_ROWS = FUSED_NORM_ROWS
 # decode step's device time from 2.534 to 2.497 ms; on 4 it cost ~10 tok/s (555.1 pushing
 # nowhere, 545.2 / 544.0 pushing, 547.5 pushing o_proj only; `bench offline --single`,
 # one call): three remote stores per program outweigh the all-reduce's saved wait.
+# Storing into the own rank's buffer only, for the fused kernel to take as it lands and
+# forward, lost more at 4: 527 against 556 tok/s, 537 against 554 with the next kernel
+# launched only once the row was taken (session 20, benchmarks/RESULTS.md).
 PUSH_PARTIALS_MAX_RANKS = 2
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"

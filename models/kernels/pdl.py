@@ -36,7 +36,10 @@ PREFETCH_CHUNK = tl.constexpr(1024)
 # kernel still runs, about two per SM. Later ones start as earlier ones retire, with the
 # launch already streaming, and prefetching there only added work: decode step device time
 # (`benchmarks.decode_graph`, batch 1, H200) went 725 -> 715 us on Qwen3-0.6B with this
-# limit, but 4332 -> 4851 us on Qwen3-8B with every program prefetching.
+# limit, but 4332 -> 4851 us on Qwen3-8B with every program prefetching. Having these
+# programs prefetch a whole small weight between them instead of their own rows came out
+# even for the Qwen3-8B TP=4 qkv shard (12.6 MB) and lost 5% with the down shard (25 MB)
+# too (session 20).
 PREFETCH_PROGRAMS = tl.constexpr(264)
 
 

@@ -274,9 +274,10 @@ def parse_ab_tree(spec: str) -> tuple[str, Path, dict[str, str]]:
 
 
 def _tree_env(directory: Path, env: dict[str, str]) -> dict[str, str]:
-    path = os.pathsep.join([str(directory), str(directory / "proto"),
-                            os.environ.get("PYTHONPATH", "")])
-    return {**env, "PYTHONPATH": path}
+    """`env` plus a PYTHONPATH that starts with the tree (an empty entry would mean the
+    working directory, so none is added when PYTHONPATH is unset)."""
+    entries = [str(directory), str(directory / "proto"), os.environ.get("PYTHONPATH", "")]
+    return {**env, "PYTHONPATH": os.pathsep.join(e for e in entries if e)}
 
 
 def stage_ab(args) -> None:

@@ -599,8 +599,7 @@ def test_fused_qk_norm_rope_decode_cuda_graph_replay(layout: tuple[int, int, int
         torch.cuda.synchronize()
         assert not want[real].isnan().any(), f"lengths {lens}: the eager output has NaN"
         assert_same_bits(kv_cache, eager_cache, f"lengths {lens}: cache", **CACHE_BITS)
-        assert_same_bits(out[real], want[real], f"lengths {lens}: output",
-                          **OUTPUT_BITS)
+        assert_same_bits(out[real], want[real], f"lengths {lens}: output", **OUTPUT_BITS)
         assert torch.count_nonzero(backend.split_kv_counters(qkv.device)) == 0, (
             "split counters not left zeroed")
         outputs.append(out[real].clone())

@@ -39,7 +39,9 @@ PREFETCH_CHUNK = tl.constexpr(1024)
 # limit, but 4332 -> 4851 us on Qwen3-8B with every program prefetching. Having these
 # programs prefetch a whole small weight between them instead of their own rows came out
 # even for the Qwen3-8B TP=4 qkv shard (12.6 MB) and lost 5% with the down shard (25 MB)
-# too (session 20).
+# too (session 20). Having o_proj's programs also prefetch the first 12 / 24 MB of the
+# layer's gate_up weight, while HBM idles through attention and the all-reduce, lost too:
+# TP=4 552.0 / 549.1 against 554.2 tok/s, TP=1 224.7 (24 MB) against 230.4 (session 21).
 PREFETCH_PROGRAMS = tl.constexpr(264)
 
 

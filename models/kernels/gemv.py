@@ -317,7 +317,9 @@ def _gemv_kernel(
         row0 = tl.program_id(0) * BLOCK_N
         prefetch_weight_rows(w_ptr, row0, tl.minimum(N - row0, BLOCK_N), K)
     # Not the first weight tile itself into registers here (as fused_gemv does): on every
-    # fma GEMV that lost 4.4% at TP=2 and 3.8% at TP=1 (Qwen3-8B batch 1, session 21).
+    # fma GEMV that lost 4.4% at TP=2 and 3.8% at TP=1, and kept to o_proj (its whole
+    # slice in one 4-row tile, every program resident) 2% at TP=2 (Qwen3-8B batch 1,
+    # session 21).
     wait_for_prior_kernel(PDL)
     if USE_MMA:
         acc = _mma_tile(x_ptr, w_ptr, M, K, stride_xm, rows, k_start, k_end,

@@ -259,7 +259,8 @@ def _add_single_row(label: str, text: str) -> None:
 
 
 def parse_ab_tree(spec: str) -> tuple[str, Path, dict[str, str]]:
-    """"NAME=DIR[,VAR=VALUE...]" -> (name, directory, environment)."""
+    """"NAME=DIR[,VAR=VALUE...]" -> (name, directory, environment). Commas separate the
+    settings, so a VALUE cannot hold one."""
     name, _, rest = spec.partition("=")
     directory, *settings = rest.split(",")
     if not name or not directory:

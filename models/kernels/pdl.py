@@ -41,7 +41,8 @@ PREFETCH_CHUNK = tl.constexpr(1024)
 # even for the Qwen3-8B TP=4 qkv shard (12.6 MB) and lost 5% with the down shard (25 MB)
 # too (session 20). Having o_proj's programs also prefetch the first 12 / 24 MB of the
 # layer's gate_up weight, while HBM idles through attention and the all-reduce, lost too:
-# TP=4 552.0 / 549.1 against 554.2 tok/s, TP=1 224.7 (24 MB) against 230.4 (session 21).
+# TP=4 551.6-552.4 / 548.7-549.5 against 554.0-554.4 tok/s, TP=1 224.7 (24 MB) against
+# 230.4 (session 21).
 PREFETCH_PROGRAMS = tl.constexpr(264)
 
 

@@ -49,7 +49,7 @@ starts only after its call k finished reading and re-emptying.
 
 Why this stays its own launch rather than the first stage of the GEMV that reads its output:
 folded in (a few extra programs of that GEMV sum the chunks and release a counter its other
-programs wait on), gate_up's call got 4-12 us slower in four forms on a one-GPU stand-in
+programs wait on), gate_up's call got 3.9-12.7 us slower in four forms on a one-GPU stand-in
 for the group, and qkv's came out even at best. The launch boundary, which the GEMV meets
 with its weights already prefetched and parked in its PDL wait, costs less than that
 in-kernel barrier (benchmarks/RESULTS.md, session 22).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -44,7 +45,8 @@ TOKENIZER_PIECE_BYTES = 1 << 20
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # the client's, echoed in chunks; may be reused once this one ends
+    core_id: str  # this submission's identity in the core; never reused
     params: SamplingParams
     num_prompt_tokens: int
     detok: IncrementalDetokenizer | None
@@ -67,7 +69,11 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self._outputs = outputs
         self.max_in_flight = max_in_flight
         self.metrics = metrics
+        # Keyed by core id: an output or abort the core sent for an earlier request can
+        # never reach a later one that reuses its client request_id.
         self.registry: dict[str, RequestState] = {}
+        self.client_ids_in_flight: set[str] = set()
+        self._core_ids = itertools.count()
         self.model_info: dict | None = None
         self.load = core.LoadSnapshot()
         self.accepting = True
@@ -184,7 +190,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                                   "engine is still loading the model")
         rid = request.request_id or uuid.uuid4().hex
         try:
-            if rid in self.registry:
+            if rid in self.client_ids_in_flight:
                 raise ValueError(f"request_id must be unique among requests in flight, "
                                  f"got duplicate {rid!r}")
             params = sampling_params_from_proto(request.sampling)
@@ -201,16 +207,18 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                                   f"in flight); retry later")
         detok = None if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens, params.stop)
-        state = RequestState(rid, params, len(ids), detok)
-        self.registry[rid] = state
+        state = RequestState(rid, f"{next(self._core_ids):x}", params, len(ids), detok)
+        self.registry[state.core_id] = state
+        self.client_ids_in_flight.add(rid)
         self.idle.clear()
-        self._send(core.AddRequest(rid, ids, params))
+        self._send(core.AddRequest(state.core_id, ids, params))
         return state
 
     def _release(self, state: RequestState) -> None:
         if not state.done:  # cancelled, expired, or ended by a stop string: free its blocks
-            self._send(core.AbortRequest(state.request_id))
-        self.registry.pop(state.request_id, None)
+            self._send(core.AbortRequest(state.core_id))
+        if self.registry.pop(state.core_id, None) is not None:
+            self.client_ids_in_flight.discard(state.request_id)
         if not self.registry:
             self.idle.set()
 

@@ -185,6 +185,39 @@ def test_kv_events_snapshot_plus_deltas_match_cached_blocks(engine, client):
     stream.cancel()
 
 
+def test_request_id_reused_after_cancel_and_deadline_gets_only_its_own_tokens(engine, client,
+                                                                            offline):
+    """A request_id reused right after a cancel or an expired deadline is a new request:
+    none of the old one's tokens or its abort reach it, and nothing is left running."""
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(engine.target))
+    old_prompt, new_prompt = random_prompts(2, seed=21, lo=12, hi=12)
+    expected = offline.generate([new_prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                             ignore_eos=True),
+                                use_tqdm=False)[0].token_ids
+    old = pb.GenerateRequest(request_id="reused", token_ids=pb.TokenIds(ids=old_prompt),
+                             sampling=pb.SamplingParams(temperature=0, max_tokens=400,
+                                                        ignore_eos=True))
+    new = pb.GenerateRequest(request_id="reused", token_ids=pb.TokenIds(ids=new_prompt),
+                             sampling=pb.SamplingParams(temperature=0, max_tokens=6,
+                                                        ignore_eos=True))
+    for i in range(30):
+        if i % 2:  # cancelled after its first chunk
+            call = stub.Stream(old)
+            next(call)
+            call.cancel()
+        else:  # its deadline expires mid-stream
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stub.Stream(old, timeout=0.05):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        resp = stub.Generate(new, timeout=30)
+        assert resp.request_id == "reused"
+        assert list(resp.token_ids) == expected, f"round {i}"
+        assert resp.finish_reason == pb.FINISH_REASON_LENGTH
+    load = wait_blocks_free(client)
+    assert load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0
+
+
 def test_queue_full_resource_exhausted(tiny_model_dir):
     eng = start_engine(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1")
     try:

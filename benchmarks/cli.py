@@ -1,5 +1,5 @@
-"""`nanoserve bench offline|serve|routing` — benchmarks with progress bars; figures go to
-benchmarks/RESULTS.md."""
+"""`nanoserve bench offline|serve|routing` — benchmarks with progress bars; figures go to the
+run log of benchmarks/results.py."""
 
 from __future__ import annotations
 

@@ -20,6 +20,21 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, num_hidden_layers=36,
                      num_attention_heads=32, intermediate_size=12288,
                      tie_word_embeddings=False),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, rms_norm_eps=1e-5, rope_theta=500_000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=True,
+        torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
+        attention_bias=False, mlp_bias=False),
+    "qwen3-30b-a3b": dict(
+        _QWEN3_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False),
 }
 
 

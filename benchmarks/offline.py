@@ -18,7 +18,7 @@ from engine_service.cli import add_engine_config_arguments, engine_config_from_a
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_config_arguments(parser)
     add_workload_arguments(parser)
-    parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="do not log the figures")
     parser.add_argument("--single", action="store_true",
                         help="one request instead of the workload: prompt --max-input-len, "
                         "--max-output-len new tokens; reports decode tok/s")
@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
 # names; cuBLAS GEMMs carry "gemm"/"gemv" or the CUTLASS "sm90_xmma" family names).
 _KERNEL_GROUPS = (
     ("attention", ("_paged_attention", "flash")),
-    ("kv store / qk-norm-rope", ("store_kv", "qk_norm_rope")),
+    ("kv store / rope", ("store_kv", "rope_store")),
     ("gemm / gemv", ("gemm", "gemv", "xmma", "cutlass", "sm90", "matmul")),
     ("sampling", ("_race_partial", "_combine_kernel", "sample", "argmax", "softmax")),
     ("all-reduce / nccl", ("nccl", "all_reduce", "allreduce", "symm")),

@@ -66,49 +66,6 @@ def _kernel_table(llm, prompts: list[list[int]], steps: int) -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
                                     max_name_column_width=70))
-    _critical_path(prof, steps)
-
-
-def _critical_path(prof, steps: int) -> None:
-    """What each kernel adds to the step: with programmatic dependent launch a kernel starts
-    before the previous one ends, so its own duration overstates its cost. Walking the
-    kernels in start order, a kernel's share is how far it moves the latest end seen so far;
-    time with no kernel running is "idle". Also one mid-step layer's kernels in order."""
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
-                     for e in prof.profiler.kineto_results.events()
-                     if e.device_type() == DeviceType.CUDA)
-    if not kernels:
-        return
-    share: dict[str, float] = {}
-    count: dict[str, int] = {}
-    rows = []
-    latest = kernels[0][0]
-    for start, end, name in kernels:
-        name = name[:60]
-        idle = max(0, start - latest)
-        share["idle"] = share.get("idle", 0.0) + idle
-        added = max(0, end - max(latest, start))
-        share[name] = share.get(name, 0.0) + added
-        count[name] = count.get(name, 0) + 1
-        rows.append((start, end, name, idle + added))
-        latest = max(latest, end)
-    total = sum(share.values())
-    print(f"\ncritical path per step ({steps} steps, {total / steps / 1e3:.1f} us a step):")
-    print(f"{'kernel':62s} {'calls':>6s} {'us/step':>9s} {'share':>7s}")
-    for name, ns in sorted(share.items(), key=lambda kv: -kv[1]):
-        print(f"{name:62s} {count.get(name, 0) / steps:6.1f} {ns / steps / 1e3:9.1f} "
-              f"{ns / total:7.1%}")
-    # From the middle of the run, at the first launch of the most frequent kernel (a layer's,
-    # not the host copies that open each step).
-    frequent = max(count, key=count.get)
-    mid = next((i for i in range(len(rows) // 2, len(rows)) if rows[i][2] == frequent),
-               len(rows) // 2)
-    print("\none stretch of a step: start (us from the first), duration, added to the path")
-    t0 = rows[mid][0]
-    for start, end, name, added in rows[mid:mid + 20]:
-        print(f"  {(start - t0) / 1e3:8.2f} {(end - start) / 1e3:7.2f} {added / 1e3:7.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Append measured figures to benchmarks/RESULTS.md with date, hardware, command, commit."""
+"""Append measured figures, with date, hardware, command and commit, to a run log
+(.out/runs.md; NANOSERVE_RESULTS to redirect). benchmarks/RESULTS.md is kept by hand: current
+figures only, copied from such a log."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / ".out" / "runs.md"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,10 +48,10 @@ def hardware() -> str:
 def commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=RESULTS.parent, check=True).stdout.strip()
+                             text=True, cwd=ROOT, check=True).stdout.strip()
         # Untracked files count: a new module the run used is not in HEAD either.
         dirty = subprocess.run(["git", "status", "--porcelain"],
-                               capture_output=True, text=True, cwd=RESULTS.parent).stdout
+                               capture_output=True, text=True, cwd=ROOT).stdout
         return out + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -62,7 +65,8 @@ def record(title: str, figures: dict[str, str], path: Path | None = None) -> Non
              f"- hardware: {hardware()}", f"- commit: {commit()}", f"- command: `{cmd}`"]
     lines += [f"- {k}: {v}" for k, v in figures.items()]
     if not path.exists():
-        path.write_text("# Benchmark results\n\nEvery figure with its date, hardware, command "
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# Benchmark runs\n\nEvery figure with its date, hardware, command "
                         "and commit. Newest entries at the bottom.\n")
     with path.open("a") as f:
         f.write("\n".join(lines) + "\n")

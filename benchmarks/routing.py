@@ -341,7 +341,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="mean pause (exponential) between a reply and the next turn")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
-    parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="do not log the figures")
 
 
 def _workload(args: argparse.Namespace, vocab: int) -> Workload:

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=0,
                         help="streams open at once (0: every request at once)")
     add_workload_arguments(parser)
-    parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="do not log the figures")
 
 
 async def _one(client, req: BenchRequest, seed: int, temperature: float, sem, bar,

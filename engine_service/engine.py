@@ -189,7 +189,7 @@ class LLMEngine:
 
     def model_info(self) -> dict:
         mc = self.model_runner.model_config
-        return dict(architecture=(mc.architectures or ["Qwen3ForCausalLM"])[0],
+        return dict(architecture=mc.architecture,
                     max_model_len=self.config.max_model_len,
                     kv_block_size=self.config.kv_block_size, hash_scheme=HASH_SCHEME,
                     vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,

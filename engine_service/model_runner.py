@@ -18,12 +18,12 @@ from engine_service.scheduler import ScheduledSeq
 from engine_service.tp_worker import agree_on_num_kv_blocks, start_tensor_parallel
 from models.attention_metadata import BlockTableCache, make_attention_metadata
 from models.backends import get_attention_backend
-from models.config import Qwen3Config
+from models.config import ModelConfig
 from models.host_copy import to_device
 from models.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from models.loader import init_dummy_weights, load_weights
 from models.parallel import close_fast_all_reduce, init_fast_all_reduce
-from models.qwen3 import Qwen3ForCausalLM
+from models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class ModelRunner:
         config = self.config
         init_fast_all_reduce(self.device)  # collective; before any graph captures one
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
-        self.model_config = Qwen3Config.from_dir(config.model)
+        self.model_config = ModelConfig.from_dir(config.model)
         self.block_size = config.kv_block_size
         self.backend = get_attention_backend(config.attention_backend, self.device)
 
@@ -177,7 +177,8 @@ class ModelRunner:
             prev = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = Qwen3ForCausalLM(self.model_config, self.backend)
+                self.model = get_model_class(self.model_config)(self.model_config,
+                                                                  self.backend)
             finally:
                 torch.set_default_dtype(prev)
         if config.load_format == "dummy":
@@ -279,10 +280,7 @@ class ModelRunner:
 
     # (query lens, context lens) of the warm-up batches: short and long chunks, with and
     # without cached context, one and many rows, decode rows mixed with a prefill chunk.
-    # [64]: the smallest batch whose q/k-norm launch groups heads on Qwen3-0.6B's layout
-    # (qk_norm_rope.HEAD_BLOCK_MIN_PROGRAMS), for token or KV budgets too small for the
-    # larger batches.
-    _WARM_UP_BATCHES = (([5], [5]), ([12], [600]), ([64], [64]), ([200], [200]), ([300], [1100]),
+    _WARM_UP_BATCHES = (([5], [5]), ([12], [600]), ([200], [200]), ([300], [1100]),
                         ([100] * 64, [100] * 64), ([1] * 8 + [100], [700] * 8 + [100]))
 
     @torch.inference_mode()
@@ -292,8 +290,7 @@ class ModelRunner:
         recompiles). Writes KV into scratch blocks no sequence owns yet; every block is
         written before it is read once allocated."""
         attn = self.model.attention_layers()[0]
-        self.backend.warm_up(attn.kv_cache, attn.num_heads,
-                             fused_decode_rotary_dim=self.model.fused_decode_rotary_dim())
+        self.backend.warm_up(attn.kv_cache, attn.num_heads)
         for query_lens, seq_lens in self._WARM_UP_BATCHES:
             seq_lens = [min(n, self.config.max_model_len) for n in seq_lens]
             query_lens = [min(q, n) for q, n in zip(query_lens, seq_lens, strict=True)]

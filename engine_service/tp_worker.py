@@ -32,7 +32,8 @@ previous step that the new step does not name (finished, preempted, aborted, pau
 out of the mirror, so nothing else needs sending. An empty message (no flags) means "stop".
 
 Workers are started with subprocess, not multiprocessing: the engine core is a daemonic
-multiprocessing child, and those may not have multiprocessing children.
+multiprocessing child, and those may not have multiprocessing children. The worker process
+itself is engine_service/tp_worker_main.py.
 
 Failure handling. Rank 0 checks its workers before every step (and the core loop asks while
 idle): a dead rank raises `RuntimeError("tensor-parallel rank N died ...")`. A collective that
@@ -47,16 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import logging
 import os
-import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
 from array import array
 from collections.abc import Iterator
@@ -432,7 +430,7 @@ def _spawn_worker(config: EngineConfig, rank: int,
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_service.tp_worker", str(os.getpid()),
+        [sys.executable, "-m", "engine_service.tp_worker_main", str(os.getpid()),
          str(theirs.fileno())],
         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
     theirs.close()  # so the worker sees EOF when rank 0 goes away, and rank 0 when it does
@@ -493,83 +491,3 @@ def _stop_workers(procs: dict[int, subprocess.Popen], controls: dict[int, Connec
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------ worker side
-
-
-def run_worker(config: EngineConfig, rank: int, init_method: str, control: Connection) -> int:
-    """A worker rank: join the group, build this rank's shard, replay rank 0's steps."""
-    from engine_service.model_runner import ModelRunner, resolve_device
-
-    device = resolve_device(config.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    runner = None
-    try:
-        control.send_bytes(UP)
-        join_process_group(device, init_method, rank, config.tensor_parallel_size)
-        runner = ModelRunner(config, rank)
-        logger.info("rank %d ready", rank)
-        _replay_steps(runner, control)
-        return 0
-    except (EOFError, BrokenPipeError):
-        return 0  # rank 0 went away: nothing left to do
-    except Exception:
-        text = traceback.format_exc()
-        logger.error("tensor-parallel rank %d failed:\n%s", rank, text)
-        with contextlib.suppress(OSError):
-            control.send_bytes(text.encode())
-        return 1
-    finally:
-        if runner is not None:
-            runner.shutdown()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-
-@torch.inference_mode()
-def _replay_steps(runner, control: Connection) -> None:
-    mirror: list[MirrorSeq] = []
-    ids = itertools.count()
-    while True:
-        message = control.recv_bytes()
-        if not message:
-            return
-        batch, sharded_sampling = decode_step(message, mirror, ids)
-        runner.replay(batch, sharded_sampling)  # queued on the device; never waited for
-        mirror = finish_step(batch)
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Rank 0 can die without closing anything (SIGKILL), and this worker may then sit in a
-    collective no pipe EOF can reach: poll the parent and leave when it changes."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(WATCH_INTERVAL_S)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def main() -> None:
-    """`python -m engine_service.tp_worker PARENT_PID FD` (started by TPWorkers)."""
-    parent_pid, fd = int(sys.argv[1]), int(sys.argv[2])
-    _exit_when_orphaned(parent_pid)
-    # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    control = Connection(fd)
-    config, rank, init_method = control.recv()
-    logging.basicConfig(level=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    sys.exit(run_worker(config, rank, init_method, control))
-
-
-if __name__ == "__main__":
-    main()

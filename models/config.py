@@ -1,4 +1,9 @@
-"""Model configuration read from a Hugging Face checkpoint directory (torch-free)."""
+"""Model configuration read from a Hugging Face checkpoint directory.
+
+One dataclass serves every family: the fields a family does not use keep their defaults.
+What nanoserve cannot run (another architecture, sliding-window attention, an activation
+or rope type it lacks) is refused here, before any weight is read, with the field named.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,16 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from models.layers.rotary import check_rope_scaling
+
 DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Families whose q/k/v projections always carry biases (their configs do not say so).
+_QKV_BIAS_ALWAYS = ("Qwen2ForCausalLM",)
+# Families whose o_proj has a bias when attention_bias is set (Qwen2's never has one).
+_O_BIAS_FOLLOWS_ATTENTION_BIAS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                                  "Qwen3MoeForCausalLM")
 
 
 def _as_int_list(value: object) -> list[int]:
@@ -18,12 +32,11 @@ def _as_int_list(value: object) -> list[int]:
 
 
 def _rope_theta(raw: dict) -> float:
-    # transformers >= 5 writes rope_parameters={"rope_theta": ...}; released Qwen3
-    # checkpoints keep rope_theta at the top level.
-    params = raw.get("rope_parameters") or {}
+    # transformers >= 5 writes rope_parameters={"rope_theta": ...}; released checkpoints keep
+    # rope_theta at the top level.
     if "rope_theta" in raw:
         return float(raw["rope_theta"])
-    return float(params.get("rope_theta", 10000.0))
+    return float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
 def _rope_scaling(raw: dict) -> dict | None:
@@ -31,12 +44,25 @@ def _rope_scaling(raw: dict) -> dict | None:
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind == "default" else dict(scaling)
+    if kind == "default":
+        return None
+    return {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
+def _sliding_window(raw: dict) -> int | None:
+    """The sliding window the checkpoint asks for, or None where every layer attends fully."""
+    layer_types = raw.get("layer_types") or []
+    uses = "sliding_attention" in layer_types
+    if "use_sliding_window" in raw:  # Qwen2/Qwen3: the window is set but off by default
+        uses = uses or bool(raw["use_sliding_window"])
+    else:  # Mistral: a window is in force whenever it is set
+        uses = uses or raw.get("sliding_window") is not None
+    return raw.get("sliding_window") if uses else None
 
 
 @dataclass
-class Qwen3Config:
-    """The fields of a Qwen3 (also Qwen2/Llama-shaped) config.json the engine uses."""
+class ModelConfig:
+    """The fields of a config.json the engine uses, for every supported family."""
 
     vocab_size: int
     hidden_size: int
@@ -45,20 +71,31 @@ class Qwen3Config:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    architecture: str = "Qwen3ForCausalLM"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
-    architectures: list[str] = field(default_factory=lambda: ["Qwen3ForCausalLM"])
-    model_type: str = "qwen3"
     hidden_act: str = "silu"
-    attention_bias: bool = False
-    rope_scaling: dict | None = None
+    attention_bias: bool = False  # biases on q/k/v
+    o_proj_bias: bool = False
+    sliding_window: int | None = None
+    # Mixture of experts (Qwen3-MoE); num_experts 0 means dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"config architectures {self.architecture!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
@@ -79,50 +116,92 @@ class Qwen3Config:
         if self.dtype not in DTYPES:
             raise ValueError(f"config torch_dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.hidden_act != "silu":
-            raise ValueError(f"config hidden_act must be 'silu', got {self.hidden_act!r}")
-        if self.rope_scaling is not None:
-            raise ValueError(f"config rope_scaling is not supported yet, got {self.rope_scaling}")
+            raise ValueError(f"config hidden_act {self.hidden_act!r} is not supported; "
+                             f"supported: silu")
+        if self.sliding_window is not None:
+            raise ValueError(f"config sliding_window={self.sliding_window} asks for "
+                             f"sliding-window attention, which is not supported; supported: "
+                             f"full attention (sliding_window null or use_sliding_window false)")
+        check_rope_scaling(self.rope_scaling)
+        if self.is_moe:
+            self._check_moe()
         self.eos_token_id = _as_int_list(self.eos_token_id)
         for tok in self.eos_token_id:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"config eos_token_id {tok} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
 
+    def _check_moe(self) -> None:
+        for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config num_experts_per_tok ({self.num_experts_per_tok}) must be "
+                             f"at most num_experts ({self.num_experts})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Qwen3-MoE's rule: a sparse MLP every decoder_sparse_step layers, except the
+        mlp_only_layers."""
+        return (self.is_moe and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Qwen3Config:
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read config.json (and generation_config.json's eos ids, if present)."""
         model_dir = Path(model_dir)
         cfg_path = model_dir / "config.json"
         if not cfg_path.is_file():
             raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
-        raw = json.loads(cfg_path.read_text())
+        return cls.from_dict(json.loads(cfg_path.read_text()), model_dir)
+
+    @classmethod
+    def from_dict(cls, raw: dict, model_dir: Path | None = None) -> ModelConfig:
+        architectures = list(raw.get("architectures") or [])
+        if len(architectures) != 1:
+            raise ValueError(f"config architectures must name one architecture, got "
+                             f"{architectures}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = architectures[0]
+        if raw.get("mlp_bias"):
+            raise ValueError("config mlp_bias=true is not supported; supported: false")
         eos = _as_int_list(raw.get("eos_token_id"))
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.is_file():
+        gen_path = model_dir / "generation_config.json" if model_dir is not None else None
+        if gen_path is not None and gen_path.is_file():
             gen_eos = _as_int_list(json.loads(gen_path.read_text()).get("eos_token_id"))
             eos += [t for t in gen_eos if t not in eos]
         heads = int(raw["num_attention_heads"])
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+        attention_bias = bool(raw.get("attention_bias", False))
+        num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
         return cls(
+            architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            # Qwen2/Llama configs leave head_dim out: it is hidden_size / heads there.
+            # Llama/Qwen2 configs may leave head_dim out: it is hidden_size / heads there.
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw),
+            rope_scaling=_rope_scaling(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            dtype=str(dtype),
+            dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             eos_token_id=eos,
             bos_token_id=raw.get("bos_token_id"),
-            architectures=list(raw.get("architectures") or []),
-            model_type=str(raw.get("model_type", "")),
             hidden_act=str(raw.get("hidden_act", "silu")),
-            # Qwen2 always has q/k/v biases and its configs do not say so.
-            attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
-            rope_scaling=_rope_scaling(raw),
+            attention_bias=attention_bias or arch in _QKV_BIAS_ALWAYS,
+            o_proj_bias=attention_bias and arch in _O_BIAS_FOLLOWS_ATTENTION_BIAS,
+            sliding_window=_sliding_window(raw),
+            num_experts=num_experts if arch == "Qwen3MoeForCausalLM" else 0,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+            mlp_only_layers=_as_int_list(raw.get("mlp_only_layers")),
         )

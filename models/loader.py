@@ -9,6 +9,7 @@ model's `packed_modules_mapping`.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -45,9 +46,20 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+# Qwen3-MoE checkpoints keep one tensor per expert and projection; FusedMoE holds every
+# local expert in two stacked parameters (w13: gate rows then up rows; w2: down).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARAM = {"gate_proj": ("w13_weight", "gate"), "up_proj": ("w13_weight", "up"),
+                 "down_proj": ("w2_weight", "down")}
+
+
 def _target(name: str, mapping: dict[str, tuple[str, str | int]]
-            ) -> tuple[str, str | int | None]:
+            ) -> tuple[str, str | int | tuple[int, str] | None]:
     """HF tensor name -> (model parameter name, shard id or None)."""
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        param, which = _EXPERT_PARAM[expert.group(2)]
+        return f"{name[:expert.start()]}.experts.{param}", (int(expert.group(1)), which)
     for hf_module, (fused, shard_id) in mapping.items():
         key = f".{hf_module}."
         if key in name:
@@ -56,10 +68,19 @@ def _target(name: str, mapping: dict[str, tuple[str, str | int]]
 
 
 def _expected_sources(params: dict[str, nn.Parameter],
-                      mapping: dict[str, tuple[str, str | int]]) -> dict[tuple, str]:
+                      mapping: dict[str, tuple[str, str | int]],
+                      num_experts: int) -> dict[tuple, str]:
     """Every (parameter, shard id) the checkpoint must provide -> the HF name it comes from."""
     expected: dict[tuple, str] = {}
+    by_param = {param: [(hf, which) for hf, (p, which) in _EXPERT_PARAM.items() if p == param]
+                for param, _ in _EXPERT_PARAM.values()}
     for name in params:
+        prefix, _, leaf = name.rpartition(".experts.")
+        if leaf in by_param:  # every expert, also those another rank holds
+            for e in range(num_experts):
+                for hf, which in by_param[leaf]:
+                    expected[(name, (e, which))] = f"{prefix}.experts.{e}.{hf}.weight"
+            continue
         fused_hits = [(hf, shard) for hf, (fused, shard) in mapping.items()
                       if f".{fused}." in name]
         if not fused_hits:
@@ -81,7 +102,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed
-    expected = _expected_sources(params, mapping)
+    expected = _expected_sources(params, mapping, getattr(config, "num_experts", 0))
     loaded: set[tuple] = set()
     unexpected: list[str] = []
     for path in checkpoint_files(model_dir):

@@ -9,15 +9,14 @@ slices (`safe_open(...).get_slice(name)`), so that a rank reads only its own row
 `weight_shape` / `narrow_weight` / `full_weight` hide the difference.
 
 On CUDA, `init_fast_all_reduce` replaces NCCL for small all-reduces (the two per decoder
-layer of a decode step) with a one-shot all-reduce over symmetric memory: every rank maps
-its peers' buffer over NVLink and one kernel sums them, without NCCL's per-call protocol
-overhead (`python -m benchmarks.allreduce_bench` measures both). Anything it does not
-cover, or any failure to set it up, goes to NCCL. `tp_all_reduce_add_rms_norm` goes one
-step further for the decoder layer's epilogue: the sum, the residual add and the RMSNorm
-in one kernel without any barrier (models/kernels/all_reduce_norm.py). `tp_argmax` is the
-vocab-parallel sampler's exchange: every rank's best (value, index) candidates of each row
-reduced to one index, identical on every rank (models/kernels/tp_argmax.py on the fast
-path). NVLink multicast (NVLS) is never used: it can take a shared host's GPUs out of
+layer of a decode step) with a one-shot or two-shot all-reduce over symmetric memory: every
+rank maps its peers' buffer over NVLink and one kernel sums them, without NCCL's per-call
+protocol overhead. Anything it does not cover, or any failure to set it up, goes to NCCL.
+`tp_all_reduce_add_rms_norm` goes one step further for the decoder layer's epilogue: the
+sum, the residual add and the RMSNorm in one kernel without any barrier
+(models/kernels/all_reduce_norm.py). `tp_argmax` is the vocab-parallel sampler's exchange:
+every rank's best (value, index) candidates of each row reduced to one index, identical on
+every rank. NVLink multicast (NVLS) is never used: it can take a shared host's GPUs out of
 service.
 """
 
@@ -31,15 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.sampling_hash import NO_INDEX
+
 logger = logging.getLogger(__name__)
 
 # A torch.Tensor or a safetensors PySafeSlice (lazy: indexing it reads from disk).
 WeightSource = Any
-
-# An index no candidate ever holds: "no value above -inf seen" (all -inf / NaN, or an empty
-# vocab chunk). A plain int so this module imports without triton; the sampling kernels use
-# it as a constexpr.
-NO_INDEX = 2**31 - 1
 
 
 def _initialized() -> bool:
@@ -71,44 +67,16 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@dataclass(frozen=True)
-class PushedPartial:
-    """A row-parallel layer's partial sums that are not in a tensor: its GEMV wrote them
-    straight into every rank's fused all-reduce buffer (`tp_linear_push`). Only
-    `tp_all_reduce_add_rms_norm` consumes one, as the next launch."""
-
-    shape: tuple[int, int]  # [num_tokens, hidden]
-    dtype: torch.dtype
-    device: torch.device
-
-
-def tp_linear_push(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> PushedPartial | None:
-    """Row-parallel `x @ weight.T (+ bias)` whose partial sums go straight from the GEMV's
-    programs into the fused all-reduce + RMSNorm kernel's buffers, where that kernel serves
-    the result, the Triton GEMV serves the shape (batch-1 decode) and the group pushes
-    (`push_partials_enabled`: 2 ranks by default); None otherwise (the caller runs the
-    linear itself). Saves the all-reduce kernel the wait for the GEMV to
-    finish, the re-read of its output and the push to the peers. The answer depends only
-    on what every rank shares, so all ranks take the same branch; the result must go to
-    `tp_all_reduce_add_rms_norm` next."""
-    if get_tp_size() > 1 and _FAST.impl is not None:
-        return _FAST.impl.linear_push(x, weight, bias)
-    return None
-
-
-def tp_all_reduce_add_rms_norm(x: torch.Tensor | PushedPartial, residual: torch.Tensor | None,
+def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
                                weight: torch.Tensor, eps: float
                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual) in one fused
     kernel when the symmetric-memory fast path covers x (no residual: of the sum alone,
     for the first layer); None otherwise (the caller then all-reduces and normalizes on
-    its own). x may be a PushedPartial, which the fused kernel always takes. The answer
-    depends only on what every rank shares (shape, dtype, the fast path being on), so all
-    ranks take the same branch."""
+    its own). The answer depends only on what every rank shares (shape, dtype, the fast
+    path being on), so all ranks take the same branch."""
     if get_tp_size() > 1 and _FAST.impl is not None:
         return _FAST.impl.all_reduce_add_rms_norm(x, residual, weight, eps)
-    assert not isinstance(x, PushedPartial), "a pushed partial without the fast path"
     return None
 
 
@@ -151,9 +119,8 @@ def tp_argmax(values: torch.Tensor, indices: torch.Tensor,
     row; among equal values the lowest index; NaN never wins; a row with nothing above -inf
     (all -inf / NaN, or every index NO_INDEX) gives 0 (torch.argmax's answer for an all
     -inf row). `out` (int64 [B], may be a view into a bigger static buffer) is written when
-    given and returned. Every rank calls it with the same B and S, so all take the same
-    path: the symmetric-memory kernel where it covers the call, else a torch reduction
-    around two all-gathers of [B] (NCCL, gloo). One rank: the same reduction locally."""
+    given and returned. A torch reduction around two all-gathers of [B]; one rank: the same
+    reduction locally."""
     assert values.dim() == 2 and values.shape == indices.shape, (
         f"values {tuple(values.shape)} and indices {tuple(indices.shape)} must be [B, S]")
     num_rows, num_candidates = values.shape
@@ -163,8 +130,6 @@ def tp_argmax(values: torch.Tensor, indices: torch.Tensor,
     if num_rows == 0:
         return out
     size = get_tp_size()
-    if size > 1 and _FAST.impl is not None and _FAST.impl.argmax(values, indices, out) is not None:
-        return out
     value, index = _argmax_pairs(values, indices, dim=1)  # [B] each: this rank's best
     if size > 1:
         all_values = [torch.empty_like(value) for _ in range(size)]
@@ -219,7 +184,6 @@ FAST_ALIGN_BYTES = 16
 # rank reduces 1/W of it and writes that slice to every peer, behind two barriers. With two
 # ranks both move the same bytes, so one-shot wins at every size; with more ranks two-shot
 # wins above a few hundred KiB (vLLM's custom all-reduce switches at these sizes on NVLink).
-# `python -m benchmarks.allreduce_bench` times both, to move these cut-offs.
 ONE_SHOT_MAX_BYTES_UP_TO_4_RANKS = 512 * 1024
 ONE_SHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 
@@ -230,18 +194,6 @@ ONE_SHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 FUSED_NORM_MAX_BYTES = 256 * 1024
 FUSED_NORM_ROWS = 1024
 FUSED_NORM_MAX_RANKS = 8
-# The cross-rank argmax kernel (models/kernels/tp_argmax.py) serves up to this many rows; its
-# buffer per rank is one int64 word per (parity, rank, row): 64 KiB at 4 ranks.
-ARGMAX_ROWS = FUSED_NORM_ROWS
-# Batch-1 row-parallel GEMVs push their partial rows into the fused kernel's buffers (every
-# program stores to all W ranks) up to this group size. On 2 H200s that took the Qwen3-8B
-# decode step's device time from 2.534 to 2.497 ms; on 4 it cost ~10 tok/s (555.1 pushing
-# nowhere, 545.2 / 544.0 pushing, 547.5 pushing o_proj only; `bench offline --single`,
-# one call): three remote stores per program outweigh the all-reduce's saved wait.
-# Storing into the own rank's buffer only, for the fused kernel to take as it lands and
-# forward, lost more at 4: 527 against 556 tok/s, 537 against 554 with the next kernel
-# launched only once the row was taken (session 20, benchmarks/RESULTS.md).
-PUSH_PARTIALS_MAX_RANKS = 2
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
 
@@ -270,17 +222,6 @@ def choose_algorithm(dtype: torch.dtype, nbytes: int, max_bytes: int,
     if dtype not in FAST_DTYPES or nbytes > max_bytes or nbytes % FAST_ALIGN_BYTES:
         return NCCL
     return ONE_SHOT if nbytes <= one_shot_max_bytes else TWO_SHOT
-
-
-def push_partials_enabled(world_size: int) -> bool:
-    """Whether batch-1 GEMVs push into the fused all-reduce's buffers in a group of
-    `world_size`: up to PUSH_PARTIALS_MAX_RANKS, unless NANOSERVE_PUSH_PARTIALS forces it
-    ("1") or turns it off ("0"), for A/B runs and the pushed-vs-unpushed token test
-    (workers inherit rank 0's environment)."""
-    setting = os.environ.get("NANOSERVE_PUSH_PARTIALS", "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"NANOSERVE_PUSH_PARTIALS must be '0', '1' or unset, got {setting!r}")
-    return setting == "1" or (setting == "" and world_size <= PUSH_PARTIALS_MAX_RANKS)
 
 
 def _fits_fused_copy(x: torch.Tensor) -> bool:
@@ -330,7 +271,7 @@ class SymmMemAllReduce:
     `init_fast_all_reduce` is the fail-safe way to set one up."""
 
     def __init__(self, device: torch.device, max_bytes: int = DEFAULT_FAST_ALL_REDUCE_BYTES,
-                 one_shot_max_bytes: int | None = None, push_partials: bool = False) -> None:
+                 one_shot_max_bytes: int | None = None) -> None:
         if max_bytes <= 0 or max_bytes % FAST_ALIGN_BYTES:
             raise ValueError(f"max_bytes ({max_bytes}) must be a positive multiple of "
                              f"{FAST_ALIGN_BYTES}")
@@ -366,14 +307,7 @@ class SymmMemAllReduce:
         self._fused_handle: Any = None
         self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
         self._norm_buffers: Any = None  # models.kernels.all_reduce_norm.NormBuffers, mapped
-        self.push_partials = push_partials  # linear_push's switch: push_partials_enabled
-        # The cross-rank argmax's words, [2 parity][W src][ARGMAX_ROWS], in a buffer of its
-        # own (its layout never changes, so no call of another kernel has to wait for it).
-        self._argmax_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
-            (2 * self.world_size * ARGMAX_ROWS,), (1,), torch.int64, self.device)
-        self._argmax_handle: Any = None
-        self._argmax_epochs = torch.zeros(ARGMAX_ROWS, dtype=torch.int32, device=self.device)
-        self._argmax_ptrs: torch.Tensor | None = None
+        self._fused_kernel: Any = None  # all_reduce_add_rms_norm, once the buffers are mapped
 
     def rendezvous(self) -> None:
         """Collective: map every peer's buffer, then run each algorithm once on known
@@ -382,7 +316,6 @@ class SymmMemAllReduce:
 
         self._handle = symm_mem.rendezvous(self._buffer, self.group_name)
         self._rendezvous_fused()
-        self._rendezvous_argmax()
         expected = self.world_size * (self.world_size + 1) // 2
         for dtype in FAST_DTYPES:
             numel = min(4096, self.max_bytes // dtype.itemsize)
@@ -394,27 +327,28 @@ class SymmMemAllReduce:
                     raise RuntimeError(f"symmetric-memory {algorithm} all-reduce ({dtype}) "
                                        f"self-check: {wrong} of {numel} sums wrong")
 
-    def _map_emptied(self, buffer: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """Collective: map every peer's copy of `buffer` (filled EMPTY on this rank first);
-        returns the handle and every rank's buffer address ([W] int64, on the device). Ends
-        in a barrier, so no rank writes into a peer's buffer before that peer emptied it."""
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        handle = symm_mem.rendezvous(buffer, self.group_name)
-        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
-        torch.cuda.synchronize(self.device)
-        dist.barrier()
-        return handle, ptrs
-
     def _rendezvous_fused(self) -> None:
-        """Map the fused kernel's buffers, mark every slot empty, and check one call per
-        dtype on known values (which also compiles the kernel before any graph capture)."""
-        from models.kernels.all_reduce_norm import NormBuffers, fill_empty_
-
+        """Map the fused kernel's buffers (every slot marked empty first; a barrier after, so
+        no rank writes into a peer's buffer before that peer emptied it), and check one call
+        per dtype on known values (which also compiles the kernel before any graph capture)."""
         if not self.fused_norm:
             return
+        # Imported here, not at the top: this module runs on CPU installs without triton.
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from models.kernels.all_reduce_norm import (
+            NormBuffers,
+            all_reduce_add_rms_norm,
+            fill_empty_,
+        )
+
         fill_empty_(self._fused_buffer)
-        self._fused_handle, data_ptrs = self._map_emptied(self._fused_buffer)
+        self._fused_handle = symm_mem.rendezvous(self._fused_buffer, self.group_name)
+        data_ptrs = torch.tensor(list(self._fused_handle.buffer_ptrs), dtype=torch.int64,
+                                 device=self.device)
+        torch.cuda.synchronize(self.device)
+        dist.barrier()
+        self._fused_kernel = all_reduce_add_rms_norm
         self._norm_buffers = NormBuffers(data_ptrs, self._fused_data_bytes, self._epochs,
                                          self.rank, self.world_size)
         hidden, expected = 4096, self.world_size * (self.world_size + 1) // 2 + 1
@@ -431,87 +365,20 @@ class SymmMemAllReduce:
             torch.cuda.synchronize(self.device)
             dist.barrier()
 
-    def _rendezvous_argmax(self) -> None:
-        """Map the cross-rank argmax's buffers, mark every slot empty, and check two calls
-        (both parities) on known values, which also compiles the kernel before any graph
-        capture."""
-        from models.kernels.tp_argmax import fill_empty_words_
-
-        fill_empty_words_(self._argmax_buffer)
-        self._argmax_handle, self._argmax_ptrs = self._map_emptied(self._argmax_buffer)
-        # Row 0: rank r offers S copies of r: the last rank's first candidate wins. Row 1:
-        # every candidate ties; the lowest index is the last rank's first. Row 2: only -inf.
-        world, num = self.world_size, 5
-        cand = torch.arange(num, device=self.device)
-        values = torch.stack([torch.full((num,), float(self.rank), device=self.device),
-                              torch.ones(num, device=self.device),
-                              torch.full((num,), float("-inf"), device=self.device)])
-        indices = torch.stack([self.rank * num + cand,
-                               10 * num + (world - 1 - self.rank) * num + cand,
-                               cand]).to(torch.int32)
-        expected = [(world - 1) * num, 10 * num, 0]
-        out = torch.empty(3, dtype=torch.int64, device=self.device)
-        for call in range(2):
-            got = self.argmax(values, indices, out)
-            if got is None or got.tolist() != expected:
-                raise RuntimeError(f"cross-rank argmax self-check (call {call}): got "
-                                   f"{None if got is None else got.tolist()}, want {expected}")
-
-    def argmax(self, values: torch.Tensor, indices: torch.Tensor,
-               out: torch.Tensor) -> torch.Tensor | None:
-        """`tp_argmax` through the symmetric-memory kernel, into `out` (returned), or None
-        where the kernel does not take the call: not CUDA, other dtypes or shapes, more rows
-        than ARGMAX_ROWS or candidates than a program holds, candidates not contiguous along
-        S. Each condition is the same on every rank (they all pass the same shapes)."""
-        if (self._argmax_ptrs is None or not values.is_cuda or values.dim() != 2
-                or indices.shape != values.shape):
-            return None
-        from models.kernels.tp_argmax import MAX_CANDIDATES, tp_argmax_
-
-        num_rows, num_candidates = values.shape
-        if (values.dtype != torch.float32 or indices.dtype != torch.int32
-                or out.dtype != torch.int64 or out.shape != (num_rows,)
-                or not 0 < num_rows <= ARGMAX_ROWS or not 0 < num_candidates <= MAX_CANDIDATES
-                or (num_candidates > 1 and (values.stride(1) != 1 or indices.stride(1) != 1))):
-            return None
-        return tp_argmax_(values, indices, out, data_ptrs=self._argmax_ptrs,
-                          epochs=self._argmax_epochs, rank=self.rank,
-                          world_size=self.world_size, rows=ARGMAX_ROWS)
-
-    def all_reduce_add_rms_norm(self, x: torch.Tensor | PushedPartial,
-                                residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                                weight: torch.Tensor, eps: float
                                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fused kernel's (normalized, new residual), or None where it does not apply:
         a group, dtype or size it does not cover, or a layout it does not read. (A message
-        within FUSED_NORM_MAX_BYTES also fits the data halves, 2 * W times that size.) A
-        PushedPartial passed `linear_push`'s checks, which are these."""
-        from models.kernels.all_reduce_norm import all_reduce_add_rms_norm
-
-        if isinstance(x, PushedPartial):
-            assert residual is None or residual.stride(-1) == 1
-        elif (not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1
-              or not self._fused_norm_covers(*x.shape, x.dtype)
-              or (residual is not None and residual.stride(-1) != 1)):
+        within FUSED_NORM_MAX_BYTES also fits the data halves, 2 * W times that size.)"""
+        num_rows = x.shape[0] if x.dim() == 2 else 0
+        if (self._norm_buffers is None or not x.is_cuda or x.dim() != 2
+                or x.stride(-1) != 1 or x.dtype not in FAST_DTYPES
+                or not 0 < num_rows <= FUSED_NORM_ROWS
+                or x.numel() * x.element_size() > FUSED_NORM_MAX_BYTES
+                or (residual is not None and residual.stride(-1) != 1)):
             return None
-        return all_reduce_add_rms_norm(x, residual, weight, eps, self._norm_buffers)
-
-    def _fused_norm_covers(self, num_rows: int, hidden: int, dtype: torch.dtype) -> bool:
-        """Whether the fused kernel takes a [num_rows, hidden] message of `dtype`."""
-        return (self._norm_buffers is not None and dtype in FAST_DTYPES
-                and 0 < num_rows <= FUSED_NORM_ROWS
-                and num_rows * hidden * dtype.itemsize <= FUSED_NORM_MAX_BYTES)
-
-    def linear_push(self, x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> PushedPartial | None:
-        """`tp_linear_push` where the Triton GEMV serves the shape without splitting K and
-        the fused norm will take its output; else None."""
-        from models.kernels.gemv import choose_config, gemv_push, use_gemv
-
-        if (not self.push_partials or not use_gemv(x, weight)
-                or choose_config(*weight.shape, x.dtype).split_k > 1
-                or not self._fused_norm_covers(x.shape[0], weight.shape[0], x.dtype)):
-            return None
-        return gemv_push(x, weight, bias, self._norm_buffers)
+        return self._fused_kernel(x, residual, weight, eps, self._norm_buffers)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
@@ -565,9 +432,6 @@ class SymmMemAllReduce:
         self._fused_handle = None
         self._fused_buffer = None
         self._norm_buffers = None
-        self._argmax_handle = None
-        self._argmax_buffer = None
-        self._argmax_ptrs = None
 
 
 @dataclass
@@ -623,10 +487,9 @@ def init_fast_all_reduce(device: torch.device,
     if device.type != "cuda" or get_tp_size() == 1:
         return False
     disable_nvlink_multicast()
-    push = push_partials_enabled(get_tp_size())  # a bad setting is an error, not a fallback
     fast, error = None, None
     try:
-        fast = SymmMemAllReduce(device, max_bytes, one_shot_max_bytes, push)
+        fast = SymmMemAllReduce(device, max_bytes, one_shot_max_bytes)
     except Exception as e:  # any failure means NCCL, never a dead engine
         error = e
     # Before the first collective step: the ranks must all go ahead, or none.

@@ -56,34 +56,3 @@ def spy_preemptions(llm) -> list[str]:
 
     llm.engine.scheduler.schedule = spy
     return preempted
-
-
-_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
-                   torch.float16: torch.int16}
-
-
-def bits_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Bool mask of the elements whose bit patterns differ (NaN == NaN when the bits agree,
-    0.0 != -0.0): for checks that two kernels give the very same values."""
-    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
-    as_int = _SAME_WIDTH_INT[got.dtype]
-    return got.contiguous().view(as_int) != want.contiguous().view(as_int)
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str,
-                     max_fraction: float = 0.0, rel_tol: float = 0.0) -> None:
-    """got == want bit for bit (bits_differ); with max_fraction > 0, save at most that
-    fraction of the values, each within rel_tol of want's largest magnitude (for kernels
-    that may add a float32 sum in another order and flip a rounding now and then)."""
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
-    diff = bits_differ(got, want)
-    if not diff.any():
-        return
-    first = tuple(diff.nonzero()[0].tolist())
-    delta = (got.double() - want.double()).nan_to_num(nan=float("inf")).abs()
-    scale = want.double().nan_to_num(nan=0.0).abs()
-    report = (f"{what}: {int(diff.sum())} of {diff.numel()} values differ, first at "
-              f"{list(first)}: got {got[first].item()}, want {want[first].item()}; "
-              f"max abs diff {delta[diff].max().item():.3g}")
-    assert diff.float().mean().item() <= max_fraction, report
-    assert (delta[diff] <= rel_tol * scale.max()).all(), report

@@ -19,7 +19,7 @@ from models.attention_metadata import (
 )
 from models.backends import get_attention_backend
 from models.backends.torch_backend import TorchAttentionBackend
-from models.config import Qwen3Config
+from models.config import ModelConfig
 from models.loader import init_dummy_weights, load_weights
 from models.qwen3 import Qwen3ForCausalLM
 from models.tiny_model import make_tiny_model
@@ -53,7 +53,7 @@ class Row:
 
 
 def build_model(model_dir: Path, with_cache: bool = True) -> Qwen3ForCausalLM:
-    config = Qwen3Config.from_dir(model_dir)
+    config = ModelConfig.from_dir(model_dir)
     model = Qwen3ForCausalLM(config, get_attention_backend("torch", "cpu")).eval()
     load_weights(model, model_dir)
     if with_cache:
@@ -160,7 +160,7 @@ def test_mixed_batches_match_transformers(tiny_model_dir, hf_model):
 
 
 def test_forward_without_cache_matches_cached_path(tiny_model_dir, hf_model):
-    vocab = Qwen3Config.from_dir(tiny_model_dir).vocab_size
+    vocab = ModelConfig.from_dir(tiny_model_dir).vocab_size
     cached = build_model(tiny_model_dir)
     uncached = build_model(tiny_model_dir, with_cache=False)
     rows = prefill_rows(vocab, Blocks())
@@ -201,7 +201,7 @@ def _rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
 def test_missing_tensor_is_a_clear_error(tiny_model_dir, tmp_path):
     model_dir = _rewrite_checkpoint(
         tiny_model_dir, tmp_path / "m", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
-    model = Qwen3ForCausalLM(Qwen3Config.from_dir(model_dir), TorchAttentionBackend())
+    model = Qwen3ForCausalLM(ModelConfig.from_dir(model_dir), TorchAttentionBackend())
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj"):
         load_weights(model, model_dir)
 
@@ -210,7 +210,7 @@ def test_unexpected_and_misshaped_tensors_are_clear_errors(tiny_model_dir, tmp_p
     extra = _rewrite_checkpoint(
         tiny_model_dir, tmp_path / "extra",
         lambda t: t.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(128, 64)}))
-    model = Qwen3ForCausalLM(Qwen3Config.from_dir(extra), TorchAttentionBackend())
+    model = Qwen3ForCausalLM(ModelConfig.from_dir(extra), TorchAttentionBackend())
     with pytest.raises(ValueError, match=r"unexpected tensors: model\.layers\.7\.mlp\.up_proj"):
         load_weights(model, extra)
 
@@ -223,13 +223,13 @@ def test_unexpected_and_misshaped_tensors_are_clear_errors(tiny_model_dir, tmp_p
 
 def test_no_weights_is_a_clear_error(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
-    model = Qwen3ForCausalLM(Qwen3Config.from_dir(tmp_path), TorchAttentionBackend())
+    model = Qwen3ForCausalLM(ModelConfig.from_dir(tmp_path), TorchAttentionBackend())
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         load_weights(model, tmp_path)
 
 
 def test_dummy_weights_are_seeded(tiny_model_dir):
-    config = Qwen3Config.from_dir(tiny_model_dir)
+    config = ModelConfig.from_dir(tiny_model_dir)
     m1 = Qwen3ForCausalLM(config, TorchAttentionBackend())
     m2 = Qwen3ForCausalLM(config, TorchAttentionBackend())
     init_dummy_weights(m1, seed=3)
@@ -393,7 +393,7 @@ def test_vocab_shards_pad_the_last_rank(monkeypatch):
 
 def test_config_from_dir(tmp_path, tiny_model_dir):
     raw = json.loads((tiny_model_dir / "config.json").read_text())
-    config = Qwen3Config.from_dir(tiny_model_dir)
+    config = ModelConfig.from_dir(tiny_model_dir)
     assert config.head_dim == raw["head_dim"] and config.rope_theta == raw["rope_theta"]
     gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
     assert config.eos_token_id[0] == raw["eos_token_id"]
@@ -404,7 +404,7 @@ def test_config_from_dir(tmp_path, tiny_model_dir):
     llama.update(hidden_size=96, num_attention_heads=4, eos_token_id=3,
                  rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     (tmp_path / "config.json").write_text(json.dumps(llama))
-    config = Qwen3Config.from_dir(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
     assert config.head_dim == 24 and config.rope_theta == 5e5
     assert config.eos_token_id == [3]
 
@@ -456,31 +456,3 @@ def test_tensor_parallel_matches_transformers(tiny_model_dir, hf_model, tmp_path
             ref = hf_logits(hf_model, tokens)
             torch.testing.assert_close(l1, ref[:-1], atol=ATOL, rtol=1e-4)
             torch.testing.assert_close(l2, ref[-1:], atol=ATOL, rtol=1e-4)
-
-
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_decode_attention_fuses_qk_norm_on_one_rank_only(tiny_model_dir: Path,
-                                                         monkeypatch: pytest.MonkeyPatch,
-                                                         tp_size: int) -> None:
-    """Qwen3 takes a backend's fused decode attention (q/k norm + rotary + store inside the
-    attention launch) only at TP <= FUSED_DECODE_ATTENTION_MAX_TP, where it measured faster;
-    above it the two launches stay."""
-    import models.qwen3 as qwen3
-
-    def fused(*args: object) -> None:
-        raise AssertionError("not called here")
-
-    class FusingBackend(TorchAttentionBackend):
-        decode_attention_qk_norm_rope = staticmethod(fused)
-
-    monkeypatch.setattr(qwen3, "get_tp_size", lambda: tp_size)
-    model = qwen3.Qwen3ForCausalLM(Qwen3Config.from_dir(tiny_model_dir), FusingBackend())
-    takes_it = tp_size <= qwen3.FUSED_DECODE_ATTENTION_MAX_TP
-    for layer in model.model.layers:
-        assert layer.self_attn._fused_decode is (fused if takes_it else None)
-    # What the runner's warm-up compiles follows the same rule.
-    rotary_dim = model.model.layers[0].self_attn.rotary_emb.rotary_dim
-    assert model.fused_decode_rotary_dim() == (rotary_dim if takes_it else None)
-    plain = qwen3.Qwen3ForCausalLM(Qwen3Config.from_dir(tiny_model_dir),
-                                   TorchAttentionBackend())
-    assert plain.fused_decode_rotary_dim() is None

@@ -2,7 +2,7 @@
 algorithm, and its fail-safe set-up (gloo, two ranks): on CPU it stays out of the way; where
 symmetric memory cannot start, every rank logs one warning and sums (and takes the
 cross-rank argmax) through the process group as before. The sums themselves on GPUs:
-tests/gpu/test_allreduce_gpu.py; the argmax's torch path: tests/test_tp_argmax.py."""
+tests/gpu/test_allreduce_gpu.py; the argmax: tests/test_tp_argmax.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import os
 import pytest
 import torch
 
-from benchmarks.allreduce_bench import launch
 from models.parallel import (
     DEFAULT_FAST_ALL_REDUCE_BYTES,
     NCCL,
@@ -25,10 +24,10 @@ from models.parallel import (
     close_fast_all_reduce,
     default_one_shot_max_bytes,
     init_fast_all_reduce,
-    push_partials_enabled,
     tp_all_reduce,
     tp_argmax,
 )
+from tests.ranks import launch
 from tests.test_tp_argmax import SPECIAL_ROWS, candidates
 from tests.test_tp_argmax import expected as expected_argmax
 
@@ -59,25 +58,6 @@ def test_one_shot_cut_off_by_world_size():
     assert default_one_shot_max_bytes(8, 64 * 1024) == 64 * 1024
     # The default buffer covers the largest decode batch of the widest model: [512, 8192].
     assert DEFAULT_FAST_ALL_REDUCE_BYTES >= 512 * 8192 * 2
-
-
-@pytest.mark.parametrize("setting, world_size, expected", [
-    # Measured a gain at 2 ranks and a loss at 4; 8 would store to even more peers.
-    (None, 2, True), (None, 4, False), (None, 8, False),
-    ("1", 4, True), ("0", 2, False),  # the A/B switch overrides the group size
-])
-def test_push_partials_by_group_size(monkeypatch, setting, world_size, expected):
-    if setting is None:
-        monkeypatch.delenv("NANOSERVE_PUSH_PARTIALS", raising=False)
-    else:
-        monkeypatch.setenv("NANOSERVE_PUSH_PARTIALS", setting)
-    assert push_partials_enabled(world_size) is expected
-
-
-def test_push_partials_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("NANOSERVE_PUSH_PARTIALS", "yes")
-    with pytest.raises(ValueError, match="NANOSERVE_PUSH_PARTIALS must be '0', '1' or unset"):
-        push_partials_enabled(2)
 
 
 @pytest.mark.parametrize("max_bytes", [0, -16, 1000])

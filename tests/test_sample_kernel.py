@@ -203,7 +203,8 @@ def _main() -> None:
         # at those indices (the hash counts global indices).
         from models.kernels.sample import race_argmax, race_partials
         from models.layers.sampler import race_perturbed
-        from models.parallel import NO_INDEX, tp_argmax
+        from models.parallel import tp_argmax
+        from models.sampling_hash import NO_INDEX
 
         vocab = 600
         for world in (2, 3, 4):

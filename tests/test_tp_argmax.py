@@ -1,10 +1,5 @@
-"""`models.parallel.tp_argmax`, the vocab-parallel sampler's cross-rank argmax, on CPU.
-
-- torch path: one process without a process group, and two gloo ranks (all-gathers);
-- the symmetric-memory kernel (models/kernels/tp_argmax.py) under TRITON_INTERPRET=1: W
-  processes whose word buffers are shared CPU memory that every process maps (what symmetric
-  memory is on GPUs), several calls in a row (both parities, per-row call counts), every
-  rank polling its peers' words for real.
+"""`models.parallel.tp_argmax`, the vocab-parallel sampler's cross-rank argmax, on CPU: one
+process without a process group, and two gloo ranks (all-gathers).
 
 Every rank's candidates come from (seed, rank), so each rank rebuilds all ranks' inputs and
 checks its answer against a plain-Python reference over all of them: the largest value, the
@@ -13,17 +8,14 @@ lowest index among equal values, NaN / -inf / NO_INDEX never win, 0 when nothing
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import signal
-import struct
 
 import pytest
 import torch
 
-from models.parallel import NO_INDEX, tp_argmax
-from tests.interpret import interpreted_check_test, run_checks
+from models.parallel import tp_argmax
+from models.sampling_hash import NO_INDEX
+from tests.ranks import launch
 
 INF = float("inf")
 # Rows with a planted case each; the rows after them are random.
@@ -43,8 +35,7 @@ def candidates(rank: int, world: int, num_rows: int, num_candidates: int, seed: 
     planted = [
         lambda v, i: v.fill_(-INF),  # 0: nothing on any rank -> 0
         # 1: NaN only on rank 0, NaN and -inf on the others; one finite value on the last
-        # rank wins. The NaNs are all ones, the bits of the kernel's EMPTY half-word: never
-        # to be sent as a value.
+        # rank wins.
         lambda v, i: (v.view(torch.int32).fill_(-1), v[::2].fill_(-INF) if rank else None,
                       v[-1].fill_(-5.0) if rank == last else None),
         # 2: every rank's max ties (7.0, at two places each): the lowest index wins.
@@ -86,19 +77,6 @@ def reference(all_values: list[torch.Tensor], all_indices: list[torch.Tensor]) -
         index = best_pair(pairs)[1]
         answers.append(0 if index == NO_INDEX else index)
     return answers
-
-
-def packed_words(values: torch.Tensor, indices: torch.Tensor) -> list[int]:
-    """Per row, the int64 word a rank sends: its best value's float32 bits high, the index
-    low."""
-    words = []
-    for row in range(values.shape[0]):
-        value, index = best_pair(list(zip(values[row].tolist(), indices[row].tolist(),
-                                          strict=True)))
-        bits = struct.unpack("<I", struct.pack("<f", value))[0]
-        word = bits << 32 | index
-        words.append(word - (1 << 64) if word >= 1 << 63 else word)
-    return words
 
 
 def expected(world: int, num_rows: int, num_candidates: int, seed: int) -> list[int]:
@@ -152,119 +130,5 @@ def _gloo_rank(rank: int, world_size: int) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_two_gloo_ranks() -> None:
-    from benchmarks.allreduce_bench import launch
-
     answers = launch(_gloo_rank, 2, backend="gloo")  # raises if any rank's check failed
     assert answers is not None and len(answers) == 4
-
-
-# --------------------------------------------------------------------------- the kernel
-
-pytest_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                   reason="triton is not installed")
-KERNEL_CHECKS = ["kernel_protocol", "kernel_2_ranks", "kernel_3_ranks"]
-test_kernel_interpreted = pytest_triton(interpreted_check_test(__file__, KERNEL_CHECKS))
-
-ROWS = 16  # rows per parity and rank in the word buffers
-# A kernel that waits for a word that never comes (a broken protocol) fails the check after
-# this long instead of hanging: the interpreter polls in Python, so a signal handler's
-# exception stops it. A correct run takes seconds.
-WAIT_LIMIT_S = 90
-# (B, S) of each call in order: row counts that differ move some rows' parities apart. At
-# S = 256 no padding lane holds -inf: rank 0's row 1 is then NaN only.
-CALLS = [(SPECIAL_ROWS + 3, 5), (SPECIAL_ROWS + 3, 5), (3, 1), (1, 256), (2, 256),
-         (SPECIAL_ROWS, 38), (SPECIAL_ROWS + 3, 2)]
-
-
-def _give_up(signum: int, frame: object) -> None:
-    raise TimeoutError(f"a kernel call waited {WAIT_LIMIT_S} s for a word that never came")
-
-
-def _wait_limit(seconds: int) -> None:
-    """From now on, raise TimeoutError after `seconds` (0: never)."""
-    signal.signal(signal.SIGALRM, _give_up)
-    signal.alarm(seconds)
-
-
-def _kernel_rank(rank: int, world: int, buffers: list[torch.Tensor]) -> None:
-    """One rank under the interpreter; buffers: every rank's word buffer, shared memory."""
-    _wait_limit(WAIT_LIMIT_S)
-    from models.kernels.tp_argmax import EMPTY_WORD, tp_argmax_
-
-    data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    epochs = torch.zeros(ROWS, dtype=torch.int32)
-    calls = torch.zeros(ROWS, dtype=torch.int32)
-    for seed, (num_rows, num_candidates) in enumerate(CALLS):
-        values, indices = candidates(rank, world, num_rows, num_candidates, seed)
-        if seed == 1:  # candidates a row stride apart that is not S
-            wide = torch.full((num_rows, 2 * num_candidates + 3), math.nan)
-            wide[:, :num_candidates] = values
-            values = wide[:, :num_candidates]
-        static = torch.full((num_rows + 2,), -7, dtype=torch.int64)
-        out = static[1:1 + num_rows]
-        got = tp_argmax_(values, indices, out, data_ptrs=data_ptrs, epochs=epochs, rank=rank,
-                         world_size=world, rows=ROWS)
-        want = expected(world, num_rows, num_candidates, seed)
-        assert got is out and got.tolist() == want, (rank, seed, got.tolist(), want)
-        assert static[0].item() == static[-1].item() == -7
-        calls[:num_rows] += 1
-        assert torch.equal(epochs, calls), (epochs.tolist(), calls.tolist())
-    # Every call left this rank's slots empty again.
-    assert torch.all(buffers[rank] == EMPTY_WORD), (buffers[rank] != EMPTY_WORD).nonzero()
-
-
-def _check_protocol() -> None:
-    """Rank 0 of 2 in this process, its peer played by hand: the peer already wrote its
-    words of two calls (a fast peer may be a call ahead), one per parity half. Each call
-    must take the words of its own half only, answer as the reference, leave that half
-    empty, and deliver rank 0's word in the agreed format to the peer's buffer."""
-    from models.kernels.tp_argmax import EMPTY_WORD, fill_empty_words_, tp_argmax_
-
-    _wait_limit(WAIT_LIMIT_S)
-    world, num_rows, num_candidates = 2, SPECIAL_ROWS + 2, 4
-    buffers = [torch.empty(2, world, ROWS, dtype=torch.int64) for _ in range(world)]
-    for buffer in buffers:
-        fill_empty_words_(buffer)
-    data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    epochs = torch.zeros(ROWS, dtype=torch.int32)
-    calls = [[candidates(rank, world, num_rows, num_candidates, seed) for rank in range(world)]
-             for seed in (10, 11)]
-    for parity, (_, peer) in enumerate(calls):
-        buffers[0][parity, 1, :num_rows] = torch.tensor(packed_words(*peer))
-    for parity, parts in enumerate(calls):
-        got = tp_argmax_(*parts[0], torch.empty(num_rows, dtype=torch.int64),
-                         data_ptrs=data_ptrs, epochs=epochs, rank=0, world_size=world,
-                         rows=ROWS)
-        want = reference([v for v, _ in parts], [i for _, i in parts])
-        assert got.tolist() == want, (parity, got.tolist(), want)
-        assert torch.all(buffers[0][parity] == EMPTY_WORD), parity
-        sent = buffers[1][parity, 0, :num_rows].tolist()
-        assert sent == packed_words(*parts[0]), (parity, sent)
-        assert torch.all(buffers[1][parity, 0, num_rows:] == EMPTY_WORD), parity
-        assert torch.all(buffers[1][parity, 1] == EMPTY_WORD), parity
-    assert epochs[:num_rows].tolist() == [2] * num_rows and not epochs[num_rows:].any()
-    _wait_limit(0)
-
-
-def _run_kernel_ranks(world: int) -> None:
-    import torch.multiprocessing as mp
-
-    from models.kernels.tp_argmax import fill_empty_words_
-
-    buffers = [torch.empty(2 * world * ROWS, dtype=torch.int64).share_memory_()
-               for _ in range(world)]
-    for buffer in buffers:
-        fill_empty_words_(buffer)
-    assert all(torch.all(b == -1) for b in buffers)
-    mp.spawn(_kernel_rank, args=(world, buffers), nprocs=world, join=True)
-
-
-def _main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    run_checks([("kernel_protocol", _check_protocol),
-                ("kernel_2_ranks", lambda: _run_kernel_ranks(2)),
-                ("kernel_3_ranks", lambda: _run_kernel_ranks(3))])
-
-
-if __name__ == "__main__":
-    _main()

@@ -58,25 +58,9 @@ def test_launch_variants_cover_every_choice() -> None:
                             assert launch in variants, (launch, num_seqs, query_len)
                             seen.add(launch)
             assert len(seen) > 2  # the sweep reached split and unsplit, decode and prefill
-            # The K/V prefetch before the PDL wait is for decode launches alone: a prefill's
-            # metadata may come from the kernel right before (forward_no_cache).
-            assert any(v.prefetch_kv for v in seen)
-            assert all(v.num_splits == MAX_SPLITS for v in seen if v.prefetch_kv)
-
-
-def test_pdl_switches_off_without_hopper_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kernels launch with PDL only on a CUDA device, outside the interpreter and unless
-    NANOSERVE_PDL=0 (each checked before any CUDA call, so this runs on CPU)."""
-    import torch
-
-    from models.kernels.pdl import pdl_enabled
-
-    assert not pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv("NANOSERVE_PDL", "0")
-    assert not pdl_enabled(torch.device("cuda", 0))
-    monkeypatch.setenv("NANOSERVE_PDL", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not pdl_enabled(torch.device("cuda", 0))
+            # The small-decode tiles are the most-split decode launches alone.
+            assert any(v.small_decode for v in seen)
+            assert all(v.num_splits == MAX_SPLITS for v in seen if v.small_decode)
 
 
 # --------------------------------------------------------------------------- subprocess side
@@ -226,7 +210,7 @@ def _main(block_size: int) -> None:
             # whole group at once.
             launches = [AttentionLaunch(block_q=max(1, 16 // group_pad), block_n=16,
                                         num_splits=splits) for splits in split_counts]
-            launches.append(replace(launches[-1], prefetch_kv=True, num_warps=8))
+            launches.append(replace(launches[-1], small_decode=True, num_warps=8))
             for launch in launches:
                 splits = launch.num_splits
                 # a decode tile has group_pad rows: fewer per merge step = several steps

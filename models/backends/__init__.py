@@ -1,12 +1,8 @@
 """Attention backends: one interface, picked by name.
 
-A backend has `.name`, `qk_norm_rope_store` (models/kernels/qk_norm_rope.py's signature, or
-None where the model must run q/k norm, rotary and `store_kv` as separate layers),
-`decode_attention_qk_norm_rope` (the same work and the attention of a decode-only batch in
-one call, models/backends/triton_backend.py's signature; or None),
-`store_kv(key, value, kv_cache, slot_mapping)`,
-`forward(query, kv_cache, meta, scale)` and `forward_no_cache(query, key, value, meta, scale)`
-(see models/backends/torch_backend.py, the reference).
+A backend has `.name`, `store_kv(key, value, kv_cache, slot_mapping)`,
+`forward(query, kv_cache, meta, scale)`, `forward_no_cache(query, key, value, meta, scale)`
+and `warm_up(kv_cache, num_heads)` (see models/backends/torch_backend.py, the reference).
 """
 
 from __future__ import annotations

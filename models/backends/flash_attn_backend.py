@@ -36,17 +36,13 @@ def _import_flash_attn() -> ModuleType:
 
 class FlashAttnBackend:
     name = "flash-attn"
-    # flash-attn's kernel reads q and the new k/v from memory: the store kernel runs first.
-    decode_attention_qk_norm_rope = None
 
     def __init__(self) -> None:
         self._fa = _import_flash_attn()
-        # Same cache layout as the triton backend, so its store kernels serve here too
+        # Same cache layout as the triton backend, so its store kernel serves here too
         # (triton ships with CUDA torch; imported here, not at module top, like flash_attn).
-        from models.kernels.qk_norm_rope import qk_norm_rope_store
         from models.kernels.store_kv import store_kv
 
-        self.qk_norm_rope_store = qk_norm_rope_store
         self._store_kv = store_kv
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -80,8 +76,7 @@ class FlashAttnBackend:
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale, causal=True, block_table=meta.block_tables)
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int,
-                fused_decode_rotary_dim: int | None = None) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
         """Nothing to compile ahead of serving."""
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -43,10 +43,6 @@ def _host_lists(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
 
 class TorchAttentionBackend:
     name = "torch"
-    # No fused Qwen3 q/k norm + rotary + store: the layers run rms_norm, apply_rotary and
-    # store_kv, the reference the fused kernels are checked against.
-    qk_norm_rope_store = None
-    decode_attention_qk_norm_rope = None
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -79,8 +75,7 @@ class TorchAttentionBackend:
             out[start:end] = _attend(query[start:end], key, value, scale)
         return out
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int,
-                fused_decode_rotary_dim: int | None = None) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
         """Nothing to compile ahead of serving."""
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

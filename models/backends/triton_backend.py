@@ -22,12 +22,10 @@ import torch
 from models.attention_metadata import AttentionMetadata
 from models.kernels.paged_attention import (
     choose_launch,
-    decode_launch_variants,
     launch_variants,
     paged_attention,
     split_counters,
 )
-from models.kernels.qk_norm_rope import QKNormRope, qk_norm_rope_store
 from models.kernels.store_kv import store_kv
 
 # SM count assumed off-GPU (TRITON_INTERPRET runs on CPU tensors).
@@ -53,9 +51,6 @@ def _num_leading_decode_rows(cu_seqlens_q: list[int]) -> int:
 
 class TritonAttentionBackend:
     name = "triton"
-    # Qwen3's q/k norm + rotary + K/V store in one launch, into this backend's cache layout;
-    # at decode, inside the attention launch (decode_attention_qk_norm_rope).
-    qk_norm_rope_store = staticmethod(qk_norm_rope_store)
 
     def __init__(self, num_sms: int | None = None) -> None:
         self._num_sms = num_sms  # None: ask the device on first use
@@ -115,35 +110,10 @@ class TritonAttentionBackend:
                          max_seq_len=meta.max_seq_len)
         return out
 
-    def decode_attention_qk_norm_rope(
-            self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-            q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor,
-            meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
-            rotary_dim: int, scale: float) -> torch.Tensor:
-        """`qk_norm_rope_store` then `forward` for a decode-only batch, as one launch: the
-        attention kernel norms and rotates q and k and stores k/v itself (at decode batch
-        sizes the separate kernel's launch and load chain cost more than its work).
-        qkv [T, (H + 2 * Hkv) * D] -> [T, H, D]; same CUDA-graph rules as `forward`."""
-        assert meta.decode_only, "decode_attention_qk_norm_rope takes decode-only batches"
-        num_tokens = qkv.shape[0]
-        query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
-                                       num_kv_heads * head_dim], dim=-1)
-        fused = QKNormRope(key.view(num_tokens, num_kv_heads, head_dim),
-                           value.view(num_tokens, num_kv_heads, head_dim), positions,
-                           meta.slot_mapping, cos_sin_cache, q_weight, k_weight, eps,
-                           rotary_dim)
-        query = query.view(num_tokens, num_heads, head_dim)
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        self._launch(query, kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                     scale, out, decode_only=True, max_query_len=1,
-                     max_seq_len=meta.max_seq_len, qk_norm_rope=fused)
-        return out
-
     def _launch(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                 out: torch.Tensor, *, decode_only: bool, max_query_len: int,
-                max_seq_len: int, seq_base: int = 0,
-                qk_norm_rope: QKNormRope | None = None) -> None:
+                max_seq_len: int, seq_base: int = 0) -> None:
         num_kv_heads = kv_cache.shape[3]
         launch = choose_launch(
             num_tokens=query.shape[0], num_seqs=seq_lens.shape[0] - seq_base,
@@ -153,16 +123,13 @@ class TritonAttentionBackend:
             num_sms=self.num_sms(query.device))
         paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens, block_tables,
                         scale, launch, out=out, seq_base=seq_base,
-                        counters=self.split_kv_counters(query.device), qk_norm_rope=qk_norm_rope)
+                        counters=self.split_kv_counters(query.device))
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int,
-                fused_decode_rotary_dim: int | None = None) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
         """Compile every attention launch variant for this layer layout now (one tiny batch
         each), so none compiles in the middle of serving: a compile there stalls every
         request in the step for a second. kv_cache [2, num_blocks, block_size, Hkv, D]; its
-        block 0 is read, nothing is written to it. `fused_decode_rotary_dim`: the model's
-        rotary_dim where it calls decode_attention_qk_norm_rope (its decode variants are
-        compiled too), else None."""
+        block 0 is read, nothing is written to it."""
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         device, dtype = kv_cache.device, kv_cache.dtype
         query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
@@ -174,20 +141,6 @@ class TritonAttentionBackend:
         counters = self.split_kv_counters(device)
         for launch in launch_variants(num_heads // num_kv_heads, dtype):
             paged_attention(*args, launch, counters=counters)
-        if fused_decode_rotary_dim is None:
-            return
-        # The decode launches that norm, rotate and store q/k on the way; slot -1: nothing
-        # is stored.
-        rotary_dim = fused_decode_rotary_dim
-        new_kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
-        fused = QKNormRope(
-            new_kv, new_kv, torch.zeros(1, dtype=torch.long, device=device),
-            torch.full((1,), -1, dtype=torch.long, device=device),
-            torch.zeros(1, rotary_dim, dtype=torch.float32, device=device),
-            torch.ones(head_dim, dtype=dtype, device=device),
-            torch.ones(head_dim, dtype=dtype, device=device), 1e-6, rotary_dim)
-        for launch in decode_launch_variants(num_heads // num_kv_heads, dtype):
-            paged_attention(*args, launch, counters=counters, qk_norm_rope=fused)
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:

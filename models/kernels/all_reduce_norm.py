@@ -35,24 +35,6 @@ the buffer empty again, so a CUDA graph of these calls replays any number of tim
 
 All ranks must launch the same calls with the same row counts (they do: TP ranks run the
 same forward), or a rank waits forever for a row that never comes.
-
-Pushed calls: at batch-1 decode, in groups that push (models/parallel.py,
-`push_partials_enabled`), the partial sums come from a row-parallel Triton GEMV
-(o_proj, down_proj), and its programs can do step 1 themselves (`push_partial`, called from
-models/kernels/gemv.py's `gemv_push`): each program stores its few output columns into slot
-[parity][rank][row] of every rank's buffer, its own included, as it finishes. The kernel
-then starts with step 2, before waiting for the GEMV to finish: it takes all W rows as they
-land, and only its stores wait (its outputs may reuse memory that the GEMV still reads).
-That removes from every such call the wait for the GEMV's completion, the re-read of its
-output and the push. The two halves stay safe: a rank pushes call k+1 from a GEMV that
-starts only after its call k finished reading and re-emptying.
-
-Why this stays its own launch rather than the first stage of the GEMV that reads its output:
-folded in (a few extra programs of that GEMV sum the chunks and release a counter its other
-programs wait on), gate_up's call got 3.9-12.7 us slower in four forms on a one-GPU stand-in
-for the group, and qkv's came out even at best. The launch boundary, which the GEMV meets
-with its weights already prefetched and parked in its PDL wait, costs less than that
-in-kernel barrier (benchmarks/RESULTS.md, session 22).
 """
 
 from __future__ import annotations
@@ -63,9 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
-from models.parallel import PushedPartial
-
 # The 16-bit word an empty slot is filled with (0x8000 as int16): EMPTY in every dtype.
 EMPTY_WORD = -32768
 # Per element size in bits: (EMPTY as that integer, what the sender writes for data equal
@@ -74,11 +53,8 @@ _EMPTY_16 = tl.constexpr(EMPTY_WORD)  # 0x8000: -0.0, sent as +0.0
 _EMPTY_32 = tl.constexpr(-2147450880)  # 0x80008000, sent as 0x80000000 (-0.0)
 _EMPTY_32_SENT_AS = tl.constexpr(-2147483648)
 # A row's program polls the [W, hidden] tile of every rank's slots, and a thread's loads per
-# poll grow with its share of it: 32 elements a thread (four 16-byte loads in bf16) is the
-# share measured best. Qwen3-8B single-request decode at TP=4 (a [4, 4096] tile), 16 warps
-# against 8: 557.3 and 556.9 against 553.6 tok/s, and 557.3 against 553.8 and 554.9 in
-# another call; at TP=2 ([2, 4096], 8 warps) 16 warps gave 403.6 against 404.1. 32 warps
-# fell to 312 tok/s at both sizes (`bench offline --single`, H200s, session 18).
+# poll grow with its share of it: 32 elements a thread (four 16-byte loads in bf16) measured
+# best on H200s; twice as many warps as that made the poll slower, not faster.
 ELEMENTS_PER_WARP = 1024
 MAX_WARPS = 16
 
@@ -102,8 +78,7 @@ def _to_words(x):
 
 @triton.jit
 def rank_pointer(data_ptrs, rank, dtype: tl.constexpr):
-    """Rank `rank`'s symmetric buffer (its data region here; the word buffer of
-    models/kernels/tp_argmax.py) as a `dtype` pointer. Its base is 16-byte aligned (symmetric
+    """Rank `rank`'s data region as a `dtype` pointer. Its base is 16-byte aligned (symmetric
     memory allocations are), and Triton cannot know that of a pointer read from memory:
     without the hint every row moves in 2-byte loads and stores instead of 16-byte ones."""
     return tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(dtype)), 16)
@@ -140,22 +115,6 @@ def _take_rows(ptrs, mask):
 
 
 @triton.jit
-def push_partial(data_ptrs, epochs_ptr, data_rows, row, col, vals, mask, hidden,
-                 RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Store `vals` (this rank's partial sums at [row, col], in the model dtype) into slot
-    [parity][RANK][row] of every rank's buffer, this rank's own included: what a PUSHED
-    call of the kernel below takes. For a GEMV's epilogue, whose programs each own a few
-    columns: the row arrives as the programs finish, with no kernel boundary and no copy
-    between the GEMV and the sum. The call count is read here, like the kernel does it."""
-    row = row + tl.zeros(mask.shape, tl.int32)  # row and col may be scalars, or broadcast
-    half = (tl.load(epochs_ptr + row, mask=mask, other=0) & 1) * WORLD
-    words = _to_words(vals)
-    offs = _slot_offsets(half, RANK, row, data_rows, hidden, col)
-    for dst in tl.static_range(WORLD):
-        tl.store(rank_pointer(data_ptrs, dst, words.dtype) + offs, words, mask=mask)
-
-
-@triton.jit
 def _add_rms_norm_row(rows, srcs, residual, weight, eps, hidden, dtype: tl.constexpr,
                       WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """rows [WORLD, BLOCK_H] float32 (every rank's partial) -> (normalized row, new
@@ -178,28 +137,15 @@ def _all_reduce_add_rms_norm_kernel(
     data_ptrs, epochs_ptr,
     eps, hidden, data_rows,
     stride_x, stride_r, stride_o, stride_ro,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, PUSHED: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
     srcs = tl.arange(0, WORLD)[:, None]  # [WORLD, 1]
     dtype = out_ptr.dtype.element_ty
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # no kernel writes it
-    if PUSHED:
-        # The previous kernel (a GEMV) pushed this rank's row itself (push_partial), so
-        # nothing here needs it finished until the outputs are written: the rows are
-        # taken as they land, and the next kernel may launch now. The call count and the
-        # residual come from kernels that had completed when the GEMV passed its own wait,
-        # which it did before this kernel could launch (each PDL kernel waits before it
-        # exits, so the chain before the GEMV is complete).
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-    else:
-        # The rest after the wait: x and the residual come from earlier kernels, and the
-        # call count from this kernel's previous call, which may be the kernel right before.
-        wait_for_prior_kernel(PDL)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     epoch = tl.load(epochs_ptr + row)
     half = (epoch & 1) * WORLD  # data layout [parity][src][data_rows][hidden]
     residual = weight  # unused without a residual
@@ -207,27 +153,20 @@ def _all_reduce_add_rms_norm_kernel(
         residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
     slots = _slot_offsets(half, srcs, row, data_rows, hidden, offs[None, :])  # [WORLD, BLOCK_H]
     own_data = _word_pointer(data_ptrs, RANK, dtype)
-    if PUSHED:
-        rows = _take_rows(own_data + slots, mask[None, :])  # every rank's, this one's too
-    else:
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
-        words = _to_words(x)
-        # This rank's row goes to the same place in every peer's buffer.
-        slot = _slot_offsets(half, RANK, row, data_rows, hidden, offs)
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                tl.store(rank_pointer(data_ptrs, peer, words.dtype) + slot, words, mask=mask)
-        # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
-        peer_words = _take_rows(own_data + slots, mask[None, :] & (srcs != RANK))
-        # What the peers received, not x: where x held EMPTY they add its replacement, and
-        # so must this rank, or the ranks' hidden states could differ in a bit.
-        rows = tl.where(srcs == RANK, words[None, :], peer_words)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK_H] partial
+    words = _to_words(x)
+    # This rank's row goes to the same place in every peer's buffer.
+    slot = _slot_offsets(half, RANK, row, data_rows, hidden, offs)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            tl.store(rank_pointer(data_ptrs, peer, words.dtype) + slot, words, mask=mask)
+    # Every peer's row at once ([WORLD, BLOCK_H]; this rank's own is not in its buffer).
+    peer_words = _take_rows(own_data + slots, mask[None, :] & (srcs != RANK))
+    # What the peers received, not x: where x held EMPTY they add its replacement, and so
+    # must this rank, or the ranks' hidden states could differ in a bit.
+    rows = tl.where(srcs == RANK, words[None, :], peer_words)
     out, h = _add_rms_norm_row(rows.to(dtype, bitcast=True).to(tl.float32), srcs, residual,
                                weight, eps, hidden, dtype, WORLD, HAS_RESIDUAL)
-    if PUSHED and PDL:
-        # The outputs may reuse memory that the GEMV still reads (its input, freed by the
-        # caller as soon as the launch returned).
-        tl.extra.cuda.gdc_wait()
     tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
     tl.store(epochs_ptr + row, epoch + 1)
@@ -235,8 +174,7 @@ def _all_reduce_add_rms_norm_kernel(
 
 @dataclass(frozen=True)
 class NormBuffers:
-    """One rank's view of the fused kernel's symmetric buffers: what every call (and every
-    GEMV that pushes into them) needs."""
+    """One rank's view of the fused kernel's symmetric buffers: what every call needs."""
 
     data_ptrs: torch.Tensor  # [W] int64: every rank's data region (symmetric memory)
     data_bytes: int  # size of each data region, filled by fill_empty_ before the first call
@@ -258,19 +196,16 @@ class NormBuffers:
 
 
 def all_reduce_add_rms_norm(
-    x: torch.Tensor | PushedPartial,  # [M, hidden] this rank's partial sum, or where it went
+    x: torch.Tensor,  # [M, hidden] this rank's partial sum
     residual: torch.Tensor | None,  # [M, hidden]; None: the first layer's (nothing to add)
     weight: torch.Tensor,  # [hidden]
     eps: float,
     buffers: NormBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual), both [M,
-    hidden] in x's dtype (without a residual: of sum_ranks(x) alone). x is a tensor, or a
-    PushedPartial: a GEMV already wrote this rank's partial into every rank's buffer
-    (models/kernels/gemv.py, `gemv_push`), the launch right before this one. Collective:
+    hidden] in x's dtype (without a residual: of sum_ranks(x) alone). Collective:
     every rank calls it with the same M, hidden and dtype (calls of another hidden size or
     dtype use another data layout: a barrier must separate them)."""
-    pushed = isinstance(x, PushedPartial)
     num_rows, hidden = x.shape
     rows = buffers.rows(hidden, x.dtype.itemsize)
     assert 0 < num_rows <= rows, f"{num_rows} rows, the buffers hold {rows}"
@@ -278,21 +213,19 @@ def all_reduce_add_rms_norm(
         assert residual.shape == x.shape and residual.dtype == x.dtype
         assert residual.stride(1) == 1
     assert weight.shape == (hidden,) and weight.is_contiguous()
-    assert pushed or x.stride(1) == 1
+    assert x.stride(1) == 1
     out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out)
-    source = out if pushed else x  # a pushed call reads no x
     block_h = triton.next_power_of_2(hidden)
-    pdl = pdl_enabled(x.device)
     _all_reduce_add_rms_norm_kernel[(num_rows,)](
-        source, residual if residual is not None else out, weight, out, residual_out,
+        x, residual if residual is not None else out, weight, out, residual_out,
         buffers.data_ptrs, buffers.epochs,
         eps, hidden, rows,
-        source.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0),
-        RANK=buffers.rank, WORLD=buffers.world_size, BLOCK_H=block_h, PDL=pdl,
-        HAS_RESIDUAL=residual is not None, PUSHED=pushed,
-        num_warps=norm_num_warps(block_h, buffers.world_size), launch_pdl=pdl,
+        RANK=buffers.rank, WORLD=buffers.world_size, BLOCK_H=block_h,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=norm_num_warps(block_h, buffers.world_size),
     )
     return out, residual_out
 

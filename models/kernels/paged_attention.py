@@ -26,14 +26,6 @@ partition that arrives last reads every partition's partials from L2, merges the
 order whichever partition ran it, so results are bitwise deterministic; and since every
 launch leaves its counters at zero, one zeroed buffer (`split_counters`) serves every
 launch on a stream and every CUDA-graph replay, with no memset.
-
-Decode launches may also do Qwen3's q/k norm + rotary + K/V store (`qk_norm_rope`, the work
-of models/kernels/qk_norm_rope.py): at decode batch sizes that kernel's launch and its chain
-of dependent loads cost more than its few kilobytes, so each program norms and rotates its
-own group's q from the raw qkv, and the partition holding the row's own key norms,
-rotates and stores that key (and stores the value) before its loop reads them back like any
-other key. (Taking them from registers instead cost more: the select inside the loop moves K
-and V out of the cp.async path, and the launch lost ~10 us a layer at TP=1.)
 """
 
 import functools
@@ -43,18 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels.pdl import bulk_prefetch, pdl_enabled, wait_for_prior_kernel
-from models.kernels.qk_norm_rope import QKNormRope, norm_rope_heads, rope_cos_sin
-
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 # Mixed batches split the KV range only when some context is at least this long.
 MIN_SPLIT_CONTEXT = 1024
 # Decode batches of up to this many programs per SM, beyond those split to fill the SMs,
 # cut rows longer than DECODE_SPLIT_LEN keys in two: with contexts spread like the nano-vllm
-# bench workload's the longest rows otherwise run alone at the end of the launch (KV TB/s at
-# batch 48 / 64 / 96 / 128: 2.41 / 2.82 / 2.89 / 3.25 unsplit -> 2.88 / 2.93 / 3.14 / 3.40;
-# equal 1024-token contexts lose up to 9%: `attention_bench --sweep-splits`, H200).
+# bench workload's the longest rows otherwise run alone at the end of the launch (KV
+# bandwidth +4% to +20% at batch 48-128 on an H200; equal 1024-token contexts lose up to 9%).
 DECODE_SPLIT_PROGRAMS_PER_SM = 8
 DECODE_SPLIT_LEN = 512
 # Empty rows keep this finite running max, so fully masked tiles never produce inf - inf.
@@ -68,24 +56,18 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     ws_acc_ptr, ws_max_ptr, ws_sum_ptr, counters_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    new_k_ptr, new_v_ptr, positions_ptr, slot_mapping_ptr, cos_sin_ptr,
-    q_weight_ptr, k_weight_ptr,
-    qk_scale, num_seqs, num_heads, block_size, seq_base, min_split_len, eps,
+    qk_scale, num_seqs, num_heads, block_size, seq_base, min_split_len,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_bt, stride_new_t, stride_new_h, stride_cos_sin,
+    stride_bt,
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH_KV: tl.constexpr,
-    QK_NORM_ROPE: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # block_size is a runtime int: one compiled kernel serves every block size. NUM_SPLITS
     # is compile-time because the merge loads [rows, NUM_SPLITS, HEAD_DIM] tiles; split
     # counts are few powers of two, and unsplit launches always compile with 1.
-    if not PREFETCH_KV:
-        # The metadata below may come from the kernel right before (forward_no_cache).
-        wait_for_prior_kernel(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -131,28 +113,11 @@ def _paged_attention_kernel(
         kv_end = kv_hi
         num_parts = 1  # a constant: the partials branch below is compiled out
     live = (tile * BLOCK_Q < q_len) & (split < num_parts)
+    if not live:
+        return
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
-    if PDL and PREFETCH_KV:  # (an empty range for programs with nothing to do)
-        _prefetch_first_keys(bt_row, k_base, v_base, kv_lo, tl.where(live, kv_end, kv_lo),
-                             block_size, stride_k_slot, stride_v_slot,
-                             HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    if QK_NORM_ROPE:
-        # A decode tile: its one query token is the step's token `q_start` (seq_base 0).
-        # Position and slot are step inputs like the metadata: safe before the wait.
-        t_new = q_start.to(tl.int64)
-        cos, sin = rope_cos_sin(cos_sin_ptr, positions_ptr + t_new, stride_cos_sin, HEAD_DIM,
-                                ROTARY_DIM)  # [1, HEAD_DIM] each
-        slot_new = tl.load(slot_mapping_ptr + t_new)
-    if PREFETCH_KV:
-        # Everything above read only metadata and the cache (see _prefetch_first_keys); q
-        # comes from the previous kernel.
-        wait_for_prior_kernel(PDL)
-    # Only now, after the wait: the next kernel's wait relies on every program of this one
-    # having waited.
-    if not live:
-        return
 
     rows = tl.arange(0, BLOCK_M)
     tok = tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the sequence
@@ -162,30 +127,8 @@ def _paged_attention_kernel(
     q_pos = ctx_len + tok
     dims = tl.arange(0, HEAD_DIM)
     t = (q_start + tok).to(tl.int64)  # [BLOCK_M] flat token index
-    if QK_NORM_ROPE:
-        # Every program of the tile norms and rotates the group's q itself (a few hundred
-        # bytes) rather than wait for a kernel that does; the padding rows re-read the
-        # group's first head and are never stored. The ops are qk_norm_rope_store's; only
-        # the float32 sum of squares may add in another order (another tile layout).
-        q_head = tl.where(row_ok, head, kv_head * NUM_Q_PER_KV)
-        q = norm_rope_heads(q_ptr + t_new * stride_qt + q_head[:, None] * stride_qh,
-                            q_weight_ptr, cos, sin, eps, HEAD_DIM,
-                            ROTARY_DIM)  # [BLOCK_M, HEAD_DIM]
-        # The partition holding the row's own key stores the token's normed, rotated k and
-        # its v, and its loop reads them back from the cache like any other key: the CTA
-        # barrier orders that program's stores before its loads.
-        if (split == num_parts - 1) & (slot_new >= 0):
-            new_row = (t_new * stride_new_t + kv_head * stride_new_h
-                       + tl.zeros([1, 1], tl.int64))  # [1, 1]
-            k_new = norm_rope_heads(new_k_ptr + new_row, k_weight_ptr, cos, sin, eps,
-                                    HEAD_DIM, ROTARY_DIM)  # [1, HEAD_DIM]
-            v_new = tl.load(new_v_ptr + new_row + dims[None, :])  # [1, HEAD_DIM]
-            tl.store(k_base + slot_new * stride_k_slot + dims[None, :], k_new)
-            tl.store(v_base + slot_new * stride_v_slot + dims[None, :], v_new)
-        tl.debug_barrier()
-    else:
-        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
@@ -233,30 +176,6 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _prefetch_first_keys(bt_row, k_base, v_base, kv_lo, kv_end, block_size,
-                         stride_k_slot, stride_v_slot, ROW_BYTES: tl.constexpr):
-    """Ask L2 for the K and V rows of the partition's first num_threads / 2 keys, one bulk
-    prefetch per thread, before the wait for the previous kernel: at decode a partition's
-    first tile is a chain of dependent loads (block table, K, V), and with a short context
-    that chain is the whole kernel.
-
-    Safe before the wait only because no kernel of the chain writes the metadata (the host
-    copies it in before the forward's first kernel, which is not a PDL launch), and an L2
-    prefetch of the row this step's store is writing is harmless: L2 is where that store
-    lands. Launches whose metadata the kernel right before computed (forward_no_cache) must
-    not prefetch."""
-    THREADS: tl.constexpr = tl.extra.cuda.num_threads()
-    i = tl.arange(0, THREADS)
-    n = kv_lo + i % (THREADS // 2)  # [THREADS] each key twice: its K row, then its V row
-    ok = n < kv_end
-    block = tl.load(bt_row + n // block_size, mask=ok, other=0).to(tl.int64)
-    slot = block * block_size + n % block_size
-    rows = tl.where(i < THREADS // 2, k_base + slot * stride_k_slot,
-                    v_base + slot * stride_v_slot)
-    bulk_prefetch(rows.to(tl.pointer_type(tl.int8)), tl.where(ok, ROW_BYTES, 0))
 
 
 @triton.jit
@@ -313,11 +232,8 @@ class AttentionLaunch:
     # Keys per partition at least (a runtime argument, not a compile key): rows shorter
     # than num_splits * min_split_len take fewer partitions.
     min_split_len: int = 0
-    # Small decode launches: with PDL, read the metadata and prefetch the first keys' K/V
-    # rows into L2 before waiting for the previous kernel. Only where no kernel right before
-    # the launch writes its metadata (decode metadata is copied in by the host before the
-    # forward).
-    prefetch_kv: bool = False
+    # The smallest decode batches (the most splits): 8 warps and a wider split merge.
+    small_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_n", "num_splits"):
@@ -362,11 +278,8 @@ def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_pe
         num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, programs)))
     elif decode_only and programs <= DECODE_SPLIT_PROGRAMS_PER_SM * num_sms:
         num_splits, min_split_len = 2, DECODE_SPLIT_LEN
-    # The K/V prefetch pays where a launch is a few dependent loads per program: decode
-    # step device time at batch 1 went 755 -> 731 us with it, at batch 8 (16 splits)
-    # 1382 -> 1425 us (Qwen3-0.6B, `benchmarks.decode_graph`, H200).
-    prefetch_kv = decode_only and num_splits == MAX_SPLITS
-    return _tiles(block_q, num_splits, group_pad, dtype, min_split_len, prefetch_kv)
+    small_decode = decode_only and num_splits == MAX_SPLITS
+    return _tiles(block_q, num_splits, group_pad, dtype, min_split_len, small_decode)
 
 
 def _block_qs(group_pad: int) -> tuple[int, int]:
@@ -377,41 +290,34 @@ def _block_qs(group_pad: int) -> tuple[int, int]:
 
 
 def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype,
-           min_split_len: int = 0, prefetch_kv: bool = False) -> AttentionLaunch:
+           min_split_len: int = 0, small_decode: bool = False) -> AttentionLaunch:
     return AttentionLaunch(
         block_q=block_q,
         block_n=32 if dtype == torch.float32 else 64,  # fp32 tiles take twice the smem
         num_splits=num_splits,
-        # The small decode launches (prefetch_kv) take 8 warps so that their split merge,
-        # one L2 round trip per row chunk, takes a whole GQA group at once (4 chunks of one
-        # row before: Qwen3-8B batch 1, TP=4, attention 9.4 -> 6.4 us a layer on the
-        # step's critical path, decode 477 -> 523 tok/s; `bench offline --single`, H200).
-        num_warps=8 if block_q * group_pad > 64 or prefetch_kv else 4,
+        # The small decode launches take 8 warps so that their split merge, one L2 round
+        # trip per row chunk, takes a whole GQA group at once (Qwen3-8B batch-1 decode at
+        # TP=4: +10% tok/s on an H200).
+        num_warps=8 if block_q * group_pad > 64 or small_decode else 4,
         min_split_len=min_split_len,
-        prefetch_kv=prefetch_kv,
+        small_decode=small_decode,
     )
 
 
 _SPLIT_COUNTS = [1 << i for i in range(MAX_SPLITS.bit_length())]
 
 
-def decode_launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaunch]:
-    """Every launch choose_launch can return for a decode-only batch."""
-    group_pad = _group_pad(num_q_per_kv)
-    decode_q, _ = _block_qs(group_pad)
-    decode = [_tiles(decode_q, s, group_pad, dtype, prefetch_kv=s == MAX_SPLITS)
-              for s in _SPLIT_COUNTS]
-    return decode + [_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN)]
-
-
 def launch_variants(num_q_per_kv: int, dtype: torch.dtype) -> list[AttentionLaunch]:
     """Every launch choose_launch can return for a head layout and dtype (each one compiled
     kernel): what an engine compiles at start-up instead of in the middle of serving."""
     group_pad = _group_pad(num_q_per_kv)
-    _, prefill_q = _block_qs(group_pad)
+    decode_q, prefill_q = _block_qs(group_pad)
+    decode = [_tiles(decode_q, s, group_pad, dtype, small_decode=s == MAX_SPLITS)
+              for s in _SPLIT_COUNTS]
+    decode.append(_tiles(decode_q, 2, group_pad, dtype, DECODE_SPLIT_LEN))
     prefill = [_tiles(prefill_q, s, group_pad, dtype) for s in _SPLIT_COUNTS]
     # decode and prefill tiles may coincide
-    return list(dict.fromkeys(decode_launch_variants(num_q_per_kv, dtype) + prefill))
+    return list(dict.fromkeys(decode + prefill))
 
 
 def split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
@@ -432,13 +338,12 @@ def split_counters(num_counters: int, device: torch.device | str) -> torch.Tenso
 
 def _merge_rows(block_m: int, head_dim: int, launch: AttentionLaunch) -> int:
     """Rows the split merge takes at a time: its [rows, splits, head_dim] float32 tile
-    stays near 32 registers per thread. (64 put a decode program of Qwen3's layout at 131
-    registers, up from 112 before the merge moved in: fewer programs resident per SM; 32
-    keeps it at 84-92.) The small decode launches (prefetch_kv) have too few programs for
-    that to matter, and each row chunk of their merge is one more L2 round trip on the
-    step's critical path: 64 there."""
+    stays near 32 registers per thread. (64 would put a decode program of Qwen3's layout at
+    131 registers: fewer programs resident per SM; 32 keeps it at 84-92.) The small decode
+    launches have too few programs for that to matter, and each row chunk of their merge is
+    one more L2 round trip on the step's critical path: 64 there."""
     num_splits = launch.num_splits
-    budget = (64 if launch.prefetch_kv else 32) * 32 * launch.num_warps  # float32 values
+    budget = (64 if launch.small_decode else 32) * 32 * launch.num_warps  # float32 values
     return max(1, min(block_m, budget // (num_splits * head_dim)))
 
 
@@ -455,7 +360,6 @@ def paged_attention(
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     counters: torch.Tensor | None = None,  # [>= grid0 * num_kv_heads] int32 zeros
     seq_base: int = 0,
-    qk_norm_rope: QKNormRope | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context.
 
@@ -470,15 +374,6 @@ def paged_attention(
     in one stream may share them (launches running concurrently may not). Either is
     allocated here when not given; a caller that captures CUDA graphs passes `counters`,
     or each launch would carry its own memset.
-
-    With `qk_norm_rope` (decode batches only: one query token a row, seq_base 0) `query` is
-    the step's raw q and the launch does qk_norm_rope_store's work on the way: each program
-    norms and rotates its q heads, and the partition holding a row's last key stores the
-    token's normed, rotated k and its v at `slot_mapping` before reading them back. The
-    same ops, one launch fewer; the results match the two launches bit for bit except where
-    the norm's float32 sum of squares, added in another order, moves rstd by an ulp and
-    flips a rounding of q or k. (A row with slot -1 stores nothing and reads its slot as
-    the two-launch path does.)
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -503,20 +398,6 @@ def paged_attention(
     assert out.shape == query.shape and out.stride(-1) == 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    new_k = new_v = positions = slot_mapping = cos_sin = q_weight = k_weight = query
-    eps, stride_new, stride_cos_sin, rotary_dim = 0.0, (0, 0), 0, 0  # unused
-    if qk_norm_rope is not None:
-        x = qk_norm_rope
-        assert num_tokens == num_seqs and seq_base == 0, (
-            f"qk_norm_rope needs a decode batch from row 0: {num_tokens} tokens, "
-            f"{num_seqs} rows, seq_base {seq_base}")
-        assert x.key.shape == (num_tokens, num_kv_heads, head_dim), (
-            f"qk_norm_rope.key {tuple(x.key.shape)} != {(num_tokens, num_kv_heads, head_dim)}")
-        assert x.key.dtype == query.dtype, f"qk_norm_rope.key {x.key.dtype} vs {query.dtype}"
-        new_k, new_v, positions, slot_mapping = x.key, x.value, x.positions, x.slot_mapping
-        cos_sin, q_weight, k_weight = x.cos_sin_cache, x.q_weight, x.k_weight
-        eps, stride_new, rotary_dim = x.eps, x.key.stride()[:2], x.rotary_dim
-        stride_cos_sin = cos_sin.stride(0)
 
     num_q_per_kv = num_heads // num_kv_heads
     group_pad = _group_pad(num_q_per_kv)
@@ -538,23 +419,19 @@ def paged_attention(
     # With block_size 1 a "block" is one slot, so the slot stride is the block stride.
     k_slot = key_cache.stride(0) if block_size == 1 else key_cache.stride(1)
     v_slot = value_cache.stride(0) if block_size == 1 else value_cache.stride(1)
-    pdl = pdl_enabled(query.device)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out,
         ws_acc, ws_max, ws_sum, counters,
         cu_seqlens_q, seq_lens, block_tables,
-        new_k, new_v, positions, slot_mapping, cos_sin, q_weight, k_weight,
-        scale * LOG2E, num_seqs, num_heads, block_size, seq_base, launch.min_split_len, eps,
+        scale * LOG2E, num_seqs, num_heads, block_size, seq_base, launch.min_split_len,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_slot, key_cache.stride(2), v_slot, value_cache.stride(2),
-        block_tables.stride(0), *stride_new, stride_cos_sin,
+        block_tables.stride(0),
         NUM_Q_PER_KV=num_q_per_kv, GROUP_PAD=group_pad,
         BLOCK_Q=launch.block_q, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, NUM_SPLITS=splits,
         MERGE_ROWS=_merge_rows(block_m, head_dim, launch),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
-        PREFETCH_KV=launch.prefetch_kv,
-        QK_NORM_ROPE=qk_norm_rope is not None, ROTARY_DIM=rotary_dim,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out

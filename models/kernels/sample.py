@@ -17,11 +17,6 @@ stores global indices, so a shard draws exactly the noise the full row would at 
 indices, and reducing every shard's partials with the same tie rule
 (`models.parallel.tp_argmax`) gives `race_argmax` of the full row.
 
-Both kernels use programmatic dependent launch (models/kernels/pdl.py): the partial kernel
-reads its per-row settings, derives the row's hash key and computes its first tile's noise
-(the hash and both logs: at TP=4, batch 1 a program's whole scan) before it waits for the
-logits' kernel.
-
 The scan is ALU-bound, so its arithmetic is as cheap as the draws allow (on NVIDIA; the
 interpreter keeps numpy's log). The hash words and u are bit-identical to the torch path's;
 the floats may differ by a few ulps:
@@ -44,17 +39,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from models.kernels.pdl import pdl_enabled, wait_for_prior_kernel
-from models.layers.sampler import _GAMMA, _MIX1, _MIX2, _SEED_SALT
-from models.parallel import NO_INDEX
+from models.sampling_hash import GAMMA, MIX1, MIX2, NO_INDEX, SEED_SALT
 
 _U64 = (1 << 64) - 1
 # The sampler keeps its splitmix64 constants as signed int64; uint64 arithmetic in the kernel
 # needs the same bits as unsigned literals.
-_GAMMA_U = tl.constexpr(_GAMMA & _U64)
-_MIX1_U = tl.constexpr(_MIX1 & _U64)
-_MIX2_U = tl.constexpr(_MIX2 & _U64)
-_SALT_U = tl.constexpr(_SEED_SALT & _U64)
+_GAMMA_U = tl.constexpr(GAMMA & _U64)
+_MIX1_U = tl.constexpr(MIX1 & _U64)
+_MIX2_U = tl.constexpr(MIX2 & _U64)
+_SALT_U = tl.constexpr(SEED_SALT & _U64)
 # An index no lane ever holds: nothing above -inf seen (-inf / NaN only, or an empty chunk).
 _NO_INDEX = tl.constexpr(NO_INDEX)
 
@@ -83,8 +76,8 @@ def _mix64(z):
 def best_candidate(vals, idxs):
     """(value, index) of the best of 1-D candidates: the largest value, the lowest index
     among equal values; NaN, -inf and NO_INDEX entries never win; (-inf, NO_INDEX) when
-    none is left. The one tie rule of every reduction of the race: a chunk's lanes, a row's
-    chunks, and the tensor-parallel ranks' winners (models/kernels/tp_argmax.py)."""
+    none is left. The one tie rule of every reduction of the race: a chunk's lanes and a
+    row's chunks (`models.parallel.tp_argmax` applies it to the ranks' winners)."""
     ok = (vals > float("-inf")) & (idxs != _NO_INDEX)  # NaN > -inf is False
     vals = tl.where(ok, vals, float("-inf"))
     top = tl.max(vals, axis=0)
@@ -111,13 +104,10 @@ def _race_noise(counter, LIBDEVICE: tl.constexpr):
 def _race_partial_kernel(
     logits_ptr, temps_ptr, seeds_ptr, steps_ptr, part_val_ptr, part_idx_ptr,
     vocab_size, vocab_offset, stride_row, chunk, num_splits,
-    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    # Before the wait: only what no kernel right before this one writes (temperatures, seeds
-    # and steps come from host copies staged before the forward pass) and what follows from
-    # it, so the hash's ALU work overlaps the logits' kernel.
     temp = tl.load(temps_ptr + row)
     # 1/T rounded once per row: a multiply an element instead of div_rn's ~10 instructions
     # (greedy rows never use it; the where keeps 1/0 out of the interpreter).
@@ -140,7 +130,6 @@ def _race_partial_kernel(
     log_e = tl.zeros([BLOCK], tl.float32)  # the noise of the tile the loop reads next
     if temp > 0:
         log_e = _race_noise(counter, LIBDEVICE)
-    wait_for_prior_kernel(PDL)
     for tile in range(start, end, BLOCK):
         offs = tile + lanes  # [BLOCK] int32 local column indices
         in_row = offs < end
@@ -166,11 +155,10 @@ def _race_partial_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_val_ptr, part_idx_ptr, tokens_ptr, num_splits,
-                    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+                    SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     ok = splits < num_splits
-    wait_for_prior_kernel(PDL)  # the partials are the previous kernel's output
     vals = tl.load(part_val_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
     idxs = tl.load(part_idx_ptr + row * num_splits + splits, mask=ok, other=_NO_INDEX)
     _, idx = best_candidate(vals, idxs)
@@ -207,9 +195,7 @@ def race_partials(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     Reducing all partials of a row with that rule (`_combine_kernel`, or
     `models.parallel.tp_argmax` across shards) gives the row's token. No host sync.
     `num_splits` / `block` override the launch (tests); the reduced token never depends on
-    them. With PDL the kernel reads temperatures, seeds and steps before it waits for the
-    kernel launched right before it: they must not be that kernel's output (host copies,
-    or any kernel before that one, are fine).
+    them.
     """
     num_rows, vocab_size = logits.shape
     assert temperatures.shape == seeds.shape == steps.shape == (num_rows,), (
@@ -233,12 +219,10 @@ def race_partials(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     seeds, steps = seeds.contiguous(), steps.contiguous()
     # Chunks are whole tiles so only the row's last tile is ragged.
     chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block) * block
-    pdl = pdl_enabled(logits.device)
     _race_partial_kernel[(num_rows, num_splits)](
         logits, temperatures, seeds, steps, part_val, part_idx,
         vocab_size, vocab_offset, logits.stride(0), chunk, num_splits,
-        BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret, PDL=pdl,
-        num_warps=NUM_WARPS, launch_pdl=pdl,
+        BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS,
     )
     return part_val, part_idx
 
@@ -261,7 +245,6 @@ def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return tokens
-    pdl = pdl_enabled(logits.device)
     _combine_kernel[(num_rows,)](part_val, part_idx, tokens, num_splits,
-                                 SPLITS_PAD=MAX_SPLITS, PDL=pdl, num_warps=1, launch_pdl=pdl)
+                                 SPLITS_PAD=MAX_SPLITS, num_warps=1)
     return tokens

@@ -1,4 +1,4 @@
-"""The attention layer: writes this step's K/V into the paged cache, then attends."""
+"""The attention layer: attends over the paged KV cache (this step's K/V already stored)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,13 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """query [T, H, D] -> [T, H, D]. This step's K/V are already in the cache
+        (models/layers/decode_ops.py rope_store); key/value [T, Hkv, D] are given only while
+        there is no cache, and then attended directly."""
         if self.kv_cache is None:
             return self.backend.forward_no_cache(query, key, value, meta, self.scale)
-        self.backend.store_kv(key, value, self.kv_cache, meta.slot_mapping)
-        return self.forward_cached(query, meta)
-
-    def forward_cached(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over the cache alone: this step's K/V were stored by the caller."""
         return self.backend.forward(query, self.kv_cache, meta, self.scale)
 
     def extra_repr(self) -> str:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.decode_ops import linear
 from models.layers.fusion import fused
-from models.layers.linear import linear
 from models.parallel import (
     WeightSource,
     check_shape,
@@ -60,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """input_ids [num_tokens] -> [num_tokens, embedding_dim]. With reduce=False a
         tensor-parallel rank returns its partial sum (its own tokens' rows, zeros for the
-        rest), for a caller that sums it with its next norm (Qwen3Model does)."""
+        rest), for a caller that sums it with its next norm (LlamaModel does)."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         out = fused(masked_embedding, input_ids)(input_ids, self.weight, self.vocab_start,

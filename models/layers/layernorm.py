@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from models.layers.fusion import fused
-from models.parallel import PushedPartial, tp_all_reduce, tp_all_reduce_add_rms_norm
+from models.parallel import tp_all_reduce, tp_all_reduce_add_rms_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,15 +30,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor | PushedPartial, residual: torch.Tensor | None = None,
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
         reduce: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`: x + residual is normalized and also returned
         as the new residual, i.e. (norm(x + residual), x + residual). With `reduce`, x is a
         tensor-parallel partial sum that is summed over the ranks first, in one kernel with
-        the add and the norm where the fast all-reduce covers it (always, for a partial a
-        GEMV pushed into its buffers); the sum (plus the residual, if any) is returned as
-        the new residual."""
+        the add and the norm where the fast all-reduce covers it; the sum (plus the
+        residual, if any) is returned as the new residual."""
         if residual is None and not reduce:
             return fused(rms_norm, x)(x, self.weight, self.eps)
         if reduce:

@@ -8,54 +8,20 @@ FULL checkpoint tensor (or a lazy safetensors slice of it) and copies this rank'
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.layers.decode_ops import linear
 from models.parallel import (
-    PushedPartial,
     WeightSource,
     check_shape,
     divide,
+    full_weight,
     get_tp_rank,
     get_tp_size,
     narrow_weight,
     tp_all_reduce,
-    tp_linear_push,
 )
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or nanoserve's Triton GEMV where it was measured faster: batch-1 decode on
-    CUDA, on the shapes in models/kernels/gemv.py's TUNED table."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
-        from models.kernels.gemv import gemv, use_gemv  # triton: CUDA torch ships it
-
-        if use_gemv(x, weight):
-            return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def batch1_gemv_applies(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-    """Whether `fused_gemv` should serve x @ weight.T: one row of batch-1 decode on CUDA, on
-    a shape where models/kernels/fused_gemv.py measured faster than the unfused path."""
-    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
-        return False
-    from models.kernels.fused_gemv import fused_gemv_supported, fused_gemv_tuned
-
-    return (fused_gemv_tuned(*weight.shape, x.dtype, silu_mul)
-            and fused_gemv_supported(x, weight, silu_mul=silu_mul))
-
-
-def fused_gemv(x: torch.Tensor, weight: torch.Tensor, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """models.kernels.fused_gemv.fused_gemv (imported on first use: triton is GPU-only)."""
-    from models.kernels.fused_gemv import fused_gemv as kernel
-
-    return kernel(x, weight, **kwargs)
 
 
 class LinearBase(nn.Module):
@@ -80,6 +46,15 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (an MoE router: every rank routes every token)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource,
+                      shard_id: str | int | None = None) -> None:
+        check_shape(param, tuple(param.shape), loaded_weight, type(self).__name__)
+        param.data.copy_(full_weight(loaded_weight))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -169,9 +144,7 @@ class RowParallelLinear(LinearBase):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced.
 
     With `reduce_results=False` the layer returns this rank's partial sum and its consumer
-    reduces it (an RMSNorm with `reduce=True` does that in one kernel with its add). At
-    batch-1 decode that partial may be a PushedPartial: the GEMV wrote it straight into the
-    fused all-reduce's buffers, and the RMSNorm must be the next launch."""
+    reduces it (an RMSNorm with `reduce=True` does that in one kernel with its add)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True) -> None:
@@ -191,12 +164,8 @@ class RowParallelLinear(LinearBase):
         cols = self.input_per_rank
         param.data.copy_(narrow_weight(loaded_weight, 1, self.tp_rank * cols, cols))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | PushedPartial:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_per_rank] -> [num_tokens, output_size]
         bias = self.bias if self.tp_rank == 0 else None
-        if not self.reduce_results:
-            pushed = tp_linear_push(x, self.weight, bias)
-            if pushed is not None:
-                return pushed
         out = linear(x, self.weight, bias)
         return tp_all_reduce(out) if self.reduce_results else out

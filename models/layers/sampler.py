@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from models.host_copy import to_device
-from models.parallel import NO_INDEX, tp_argmax
+from models.parallel import tp_argmax
+from models.sampling_hash import GAMMA, MIX1, MIX2, NO_INDEX, SEED_SALT
 
 # Temperatures below this are treated as greedy: dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
@@ -36,17 +37,6 @@ def effective_temperature(temperature: float) -> float:
 # rounding of the softmax/cumsum is outside the nucleus (the smallest set with mass >= top_p).
 TOP_P_EPS = 1e-6
 
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the signed int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-# splitmix64 (Steele, Lea, Flood 2014): golden-ratio increment and finaliser multipliers.
-_GAMMA = _i64(0x9E3779B97F4A7C15)
-_MIX1 = _i64(0xBF58476D1CE4E5B9)
-_MIX2 = _i64(0x94D049BB133111EB)
-_SEED_SALT = _i64(0xD1B54A32D192ED03)
-
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     # torch's >> on int64 is arithmetic; masking off the copied sign bits makes it logical.
@@ -55,8 +45,8 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
     """splitmix64 finaliser on int64 tensors (a bijection of 64-bit words; multiplies wrap)."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
+    z = (z ^ _shr(z, 30)) * MIX1
+    z = (z ^ _shr(z, 27)) * MIX2
     return z ^ _shr(z, 31)
 
 
@@ -70,9 +60,9 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int,
     exact in float32, so u is never 0 or 1.
     """
     # A splitmix64 stream per (seed, step): the key is its state, the vocab index its counter.
-    key = mix64(mix64(seeds ^ _SEED_SALT) + steps * _GAMMA)  # [B]
+    key = mix64(mix64(seeds ^ SEED_SALT) + steps * GAMMA)  # [B]
     offsets = (torch.arange(vocab_offset + 1, vocab_offset + vocab_size + 1,
-                            dtype=torch.int64, device=seeds.device) * _GAMMA)  # [V]
+                            dtype=torch.int64, device=seeds.device) * GAMMA)  # [V]
     bits = mix64(key[:, None] + offsets[None, :])  # [B, V]
     mantissa = _shr(bits, 41).to(torch.float32)  # [B, V] in [0, 2**23)
     return (mantissa + 0.5) * (1.0 / (1 << 23))

@@ -5,12 +5,9 @@ with one-shot and with two-shot; for aligned, offset and strided tensors; the lo
 all-gather built on it equals NCCL's bit for bit; and what it does
 not cover (too large, float16, odd sizes) still sums right through NCCL. The fused
 all-reduce + add + RMSNorm kernel matches the unfused path, with ranks bit-identical. The
-cross-rank argmax kernel (`tp_argmax`) answers as a plain-Python reference over every
-rank's candidates, call after call and from a replayed graph, and vocab-parallel sampling
-(race_partials on each rank's shard, then tp_argmax) draws what race_argmax draws on the
-full row. A row-parallel GEMV that pushes its partials straight into the fused kernel's
-buffers (`tp_linear_push`) gives what the plain GEMV and the unpushed kernel give, bit for
-bit in the sum, eagerly, between unpushed calls and from a replayed graph."""
+cross-rank argmax (`tp_argmax`) answers as a plain-Python reference over every rank's
+candidates, and vocab-parallel sampling (race_partials on each rank's shard, then
+tp_argmax) draws what race_argmax draws on the full row."""
 
 from __future__ import annotations
 
@@ -18,21 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.allreduce_bench import launch
-from models.kernels.gemv import gemv
 from models.kernels.sample import race_argmax, race_partials
 from models.layers.layernorm import add_rms_norm, rms_norm
 from models.parallel import (
-    _FAST,
-    ARGMAX_ROWS,
     init_fast_all_reduce,
     tp_all_gather_last_dim,
     tp_all_reduce,
     tp_all_reduce_add_rms_norm,
     tp_argmax,
-    tp_linear_push,
 )
 from tests.gpu.graphs import capture
+from tests.ranks import launch
 from tests.test_tp_argmax import SPECIAL_ROWS, candidates, expected
 
 pytestmark = pytest.mark.timeout(300)
@@ -223,53 +216,6 @@ def _fused_cases(device: torch.device, rank: int) -> None:
                      f"eager {rows} rows after replay {step}")
 
 
-def _push_cases(device: torch.device, rank: int) -> None:
-    """tp_linear_push + the fused norm = the plain GEMV's partials through the fused norm
-    (residual bit for bit: the same sum of the same partials), on the 8B's o_proj and down
-    shards at this world size and TP=4's o_proj shard (the mma tile); eagerly, with an
-    unpushed call between two pushed ones (they share the rows' parities), and from a graph
-    of two layers' worth replayed with new inputs. Two rows are not pushed (cuBLAS serves
-    them)."""
-    world = dist.get_world_size()
-    weight = _random((HIDDEN,), torch.bfloat16, device, seed=40)
-    # o_proj and down shards; 1024 (TP=4's o_proj, an mma tile) at every world size.
-    for i, k in enumerate(sorted({4096 // world, 12288 // world, 1024})):
-        shard = _random((HIDDEN, k), torch.bfloat16, device, seed=41 + 10 * i + rank) / 16
-        for call in range(3):
-            x = _random((1, k), torch.bfloat16, device, seed=42 + 10 * i + call + 100 * rank)
-            residual = _random((1, HIDDEN), torch.bfloat16, device, seed=43 + 10 * i + call)
-            partial = gemv(x, shard)
-            if call == 1:
-                got = tp_all_reduce_add_rms_norm(partial, residual, weight, 1e-6)
-            else:
-                pushed = tp_linear_push(x, shard, None)
-                assert pushed is not None and pushed.shape == (1, HIDDEN), f"k={k}: not pushed"
-                got = tp_all_reduce_add_rms_norm(pushed, residual, weight, 1e-6)
-            _check_fused(got, partial, residual, weight, f"pushed k={k} call {call}")
-        assert tp_linear_push(torch.zeros(2, k, dtype=torch.bfloat16, device=device), shard,
-                              None) is None, "two rows must not be pushed"
-    k = 12288 // world
-    shard = _random((HIDDEN, k), torch.bfloat16, device, seed=70 + rank) / 16
-    x = torch.zeros(1, k, dtype=torch.bfloat16, device=device)
-    residual = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device)
-
-    def body() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        first = tp_all_reduce_add_rms_norm(tp_linear_push(x, shard, None), residual, weight,
-                                           1e-6)
-        second = tp_all_reduce_add_rms_norm(tp_linear_push(x, shard, None), first[1], weight,
-                                            1e-6)
-        return [first, second]
-
-    graph, outs = capture(body)
-    for step in range(3):
-        x.copy_(_random(x.shape, x.dtype, device, seed=80 + step + 10 * rank))
-        residual.copy_(_random(residual.shape, x.dtype, device, seed=90 + step))
-        graph.replay()
-        partial = gemv(x, shard)
-        _check_fused(outs[0], partial, residual, weight, f"graph replay {step} push 0")
-        _check_fused(outs[1], partial, outs[0][1], weight, f"graph replay {step} push 1")
-
-
 def _gather_cases(device: torch.device, rank: int, tag: str) -> None:
     """tp_all_gather_last_dim equals NCCL's all-gather bit for bit: through the fast path
     (a sum of zero-padded copies) where it fits, through NCCL where it does not."""
@@ -294,62 +240,16 @@ def _gather_cases(device: torch.device, rank: int, tag: str) -> None:
 
 
 def _argmax_cases(device: torch.device, rank: int) -> None:
-    """The cross-rank argmax kernel against a plain-Python reference over every rank's
-    candidates (tests/test_tp_argmax.py builds them: ties within and across ranks, -inf
-    and NaN rows, NO_INDEX): called directly and through tp_argmax, several calls in a row
-    with row counts that move the rows' parities apart, from a replayed CUDA graph; what it
-    does not take goes through NCCL; and vocab-parallel sampling end to end."""
+    """tp_argmax over NCCL against a plain-Python reference over every rank's candidates
+    (tests/test_tp_argmax.py builds them: ties within and across ranks, -inf and NaN rows,
+    NO_INDEX), several calls in a row; and vocab-parallel sampling end to end."""
     world = dist.get_world_size()
-    fast = _FAST.impl
-    assert fast is not None
-    calls = [(SPECIAL_ROWS + 3, 38), (SPECIAL_ROWS + 3, 38), (1, 38), (3, 1), (2, 256),
-             (64, 7), (SPECIAL_ROWS, 38)]
+    calls = [(SPECIAL_ROWS + 3, 38), (1, 38), (3, 1), (2, 256), (64, 7)]
     for seed, (num_rows, num_candidates) in enumerate(calls):
         values, indices = (t.to(device) for t in candidates(rank, world, num_rows,
                                                              num_candidates, seed))
         want = expected(world, num_rows, num_candidates, seed)
-        static = torch.full((num_rows + 2,), -7, dtype=torch.int64, device=device)
-        out = static[1:1 + num_rows]
-        got = fast.argmax(values, indices, out)
-        assert got is out, f"call {seed}: the kernel did not take [{num_rows}, {num_candidates}]"
-        assert got.tolist() == want, f"call {seed}: {got.tolist()} != {want}"
-        assert static[0].item() == static[-1].item() == -7, f"call {seed}: wrote outside out"
-        assert tp_argmax(values, indices).tolist() == want, f"call {seed}: tp_argmax"
-    # What the kernel does not take (more rows than its buffer, float64 values) goes
-    # through the torch path and NCCL, with the same answers.
-    for seed, (num_rows, dtype) in enumerate([(ARGMAX_ROWS + 1, torch.float32),
-                                              (5, torch.float64)], start=100):
-        values, indices = (t.to(device) for t in candidates(rank, world, num_rows, 3, seed))
-        values = values.to(dtype)
-        out = torch.empty(num_rows, dtype=torch.int64, device=device)
-        assert fast.argmax(values, indices, out) is None, f"{num_rows} rows of {dtype}"
-        want = expected(world, num_rows, 3, seed)
-        assert tp_argmax(values, indices).tolist() == want, f"NCCL path {num_rows} {dtype}"
-
-    # A graph of three calls (odd: each replay moves the rows' parities) on static inputs.
-    num_rows, num_candidates = SPECIAL_ROWS + 1, 38
-    values = torch.zeros(num_rows, num_candidates, device=device)
-    indices = torch.zeros(num_rows, num_candidates, dtype=torch.int32, device=device)
-    outs = torch.zeros(3, num_rows, dtype=torch.int64, device=device)
-
-    def body() -> None:
-        for k in range(3):
-            tp_argmax(values, indices, outs[k])
-
-    graph, _ = capture(body)
-    for step in range(4):
-        seed = 200 + step
-        new_values, new_indices = candidates(rank, world, num_rows, num_candidates, seed)
-        values.copy_(new_values)
-        indices.copy_(new_indices)
-        graph.replay()
-        want = expected(world, num_rows, num_candidates, seed)
-        for k in range(3):
-            assert outs[k].tolist() == want, f"graph replay {step} call {k}"
-        # Eager calls of other row counts in between.
-        eager = candidates(rank, world, step + 1, 5, seed + 50)
-        got = tp_argmax(*(t.to(device) for t in eager))
-        assert got.tolist() == expected(world, step + 1, 5, seed + 50), f"eager after {step}"
+        assert tp_argmax(values, indices).tolist() == want, f"call {seed}"
 
     # Vocab-parallel sampling: every rank races its shard of the same logits and the
     # exchange gives race_argmax of the full row, on every rank.
@@ -372,7 +272,6 @@ def _rank(rank: int, world_size: int) -> None:
     assert init_fast_all_reduce(device), "the fast path did not start (see the warning)"
     _argmax_cases(device, rank)
     _fused_cases(device, rank)
-    _push_cases(device, rank)
     _gather_cases(device, rank, "one-shot")
     _eager_cases(device, rank, "one-shot")
     _graph_case(device, rank, "one-shot")
@@ -387,10 +286,7 @@ def _rank(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_fast_all_reduce_sums_like_nccl(world_size: int, monkeypatch):
+def test_fast_all_reduce_sums_like_nccl(world_size: int):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    # The push cases at every group size (by default only 2 ranks push); the spawned ranks
-    # inherit this process's environment.
-    monkeypatch.setenv("NANOSERVE_PUSH_PARTIALS", "1")
     launch(_rank, world_size)

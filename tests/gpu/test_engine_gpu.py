@@ -41,25 +41,12 @@ def test_float32_greedy_matches_transformers(tiny_model_dir, hf_model, block_siz
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_float32_batch1_greedy_matches_transformers(tiny_model_dir, hf_model, enforce_eager,
-                                                    monkeypatch):
-    """One request at a time: every decode step is batch 1, where the norms and SiLU-and-mul
-    run inside the GEMVs (models/kernels/fused_gemv.py). The tiny model's shapes are not in
-    the measured table, so the test puts them there (default configs)."""
-    from models.kernels import fused_gemv
-
-    cfg = json.loads((tiny_model_dir / "config.json").read_text())
-    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
-    qkv_rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
-    for rows, silu_mul in ((qkv_rows, False), (2 * cfg["intermediate_size"], True)):
-        monkeypatch.setitem(fused_gemv.TUNED, (rows, hidden, 4, silu_mul),
-                            fused_gemv.default_fused_config(rows, hidden, torch.float32,
-                                                            silu_mul))
+def test_float32_batch1_greedy_matches_transformers(tiny_model_dir, hf_model, enforce_eager):
+    """One request at a time: every decode step is batch 1 (the most-split attention
+    launches)."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", num_kv_blocks=512,
               max_model_len=512, attention_backend="triton", enforce_eager=enforce_eager)
-    layer = llm.engine.model_runner.model.model.layers[0]
-    probe = torch.zeros(1, layer.input_layernorm.weight.shape[0], device="cuda")
-    assert layer._norms_into_gemvs(probe), "the batch-1 fused path is not taken"
     for prompt in _prompts(4, vocab, seed=21):
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                     ignore_eos=True), use_tqdm=False)[0]
@@ -173,55 +160,3 @@ def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
                                              ref32)
     assert rate >= floor - 0.01  # as often as transformers-bf16 agrees with its fp32 self
     assert decided >= 0.98
-
-
-def _batch1_decode_argmax(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    """Teacher-forced batch-1 decode: each prompt's first half as one prefill, then one
-    position a step; the argmax at every decoded position."""
-    runner, bm = llm.engine.model_runner, llm.engine.block_manager
-    ours = []
-    for i, p in enumerate(prompts):
-        half = len(p) // 2
-        seq = Sequence(f"tf1-{i}", p, SamplingParams())
-        bm.allocate(seq, len(p))
-        try:
-            with torch.inference_mode():
-                ids, pos, meta, _ = runner.prepare_inputs([ScheduledSeq(seq, half, True, 0)])
-                runner.model(ids, pos, meta)  # fills the cache for positions < half
-                for start in range(half, len(p)):
-                    ids, pos, meta, _ = runner.prepare_inputs(
-                        [ScheduledSeq(seq, 1, True, start)])
-                    hidden = runner.model(ids, pos, meta)  # [1, hidden]: batch-1 decode
-                    ours.append(runner.model.compute_logits(hidden).argmax(-1))
-        finally:
-            bm.free(seq)
-    return torch.cat(ours)
-
-
-def test_qwen3_06b_bf16_batch1_decode_argmax_agreement(qwen3_06b_dir, monkeypatch):
-    """The batch-1 decode path with the norms and SiLU-and-mul inside the GEMVs agrees with
-    transformers at >= 98% of decidable positions, and at least as often (within a point) as
-    the unfused decode path does on the same positions (its shapes taken out of the table).
-    Step-by-step bf16 decode drifts a little more than one prefill, so the prefill test's
-    floor is not the bar here: the unfused path measured 0.9622 against a floor of 0.9726."""
-    from models.kernels import fused_gemv
-
-    prompts = _prompts(16, 10000, seed=12, lo=96, hi=160)
-    ref16, ref32 = _hf_logits(qwen3_06b_dir, prompts)
-    refs16 = [r[len(p) // 2:] for r, p in zip(ref16, prompts, strict=True)]
-    refs32 = [r[len(p) // 2:] for r, p in zip(ref32, prompts, strict=True)]
-    llm = LLM(str(qwen3_06b_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
-              max_model_len=1024, enforce_eager=True)
-    layer = llm.engine.model_runner.model.model.layers[0]
-    probe = torch.zeros(1, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16,
-                        device="cuda")
-    assert layer._norms_into_gemvs(probe), "the batch-1 fused path is not taken"
-    fused_rate, _, fused_decided = _argmax_agreement(
-        "bf16 batch-1 decode (fused)", _batch1_decode_argmax(llm, prompts), refs16, refs32)
-    for key in [k for k in fused_gemv.TUNED if k[1] == 1024]:  # the 0.6B shapes
-        monkeypatch.delitem(fused_gemv.TUNED, key)
-    assert not layer._norms_into_gemvs(probe)
-    unfused_rate, _, _ = _argmax_agreement(
-        "bf16 batch-1 decode (unfused)", _batch1_decode_argmax(llm, prompts), refs16, refs32)
-    assert fused_decided >= 0.98
-    assert fused_rate >= unfused_rate - 0.01

@@ -13,7 +13,8 @@ import torch
 from engine_service.sampling_params import SamplingParams
 from models.kernels.sample import MAX_SPLITS, race_argmax, race_partials
 from models.layers.sampler import Sampler, SamplingTensors, apply_penalties
-from models.parallel import NO_INDEX, tp_argmax
+from models.parallel import tp_argmax
+from models.sampling_hash import NO_INDEX
 from tests.test_sample_kernel import assert_tokens_match, race_reference
 
 DEVICE = torch.device("cuda")

@@ -2,29 +2,18 @@
 greedy and seeded-sampled tokens as TP=1, in float32, on the tiny model (4 heads, 2 KV heads:
 TP=2 splits the KV heads, TP=4 replicates them).
 
-At batch 1 on the Qwen3-8B layer shapes, o_proj and down_proj push their partial sums into
-the fused all-reduce kernel's buffers; a 2-layer model of those shapes (dummy bf16 weights)
-gives the same greedy tokens with the push as without it, at TP=2 and TP=4 (forced there:
-by default only groups of 2 push).
-
 The TP engines size their KV cache from the free GPU memory, so run this file alone, not
-beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): on 4x H200 at
-796e2bf two cases failed under `-n 8` with no room left for KV blocks, and passed alone."""
+beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): under `-n 8` the
+other workers can leave no room for KV blocks."""
 
 from __future__ import annotations
 
 import gc
-import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-import models.layers.linear as linear_module
-from benchmarks.model_configs import PRESETS
 from engine_service import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -51,8 +40,8 @@ def _memory_share(world_size: int, gib: int) -> float:
 
 def _passes(llm: LLM, prompts) -> list[list]:
     """Greedy twice (the second hits the prefix cache), then seeded temperature draws: all
-    rows temperature-only (at TP > 1 every rank draws over its vocab shard and the fast
-    argmax kernel combines them), then with one row asking for logprobs (the logits are
+    rows temperature-only (at TP > 1 every rank draws over its vocab shard and tp_argmax
+    combines them), then with one row asking for logprobs (the logits are
     gathered and rank 0 samples)."""
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     seeded = [SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=i)
@@ -88,57 +77,3 @@ def test_tp_tokens_equal_tp1(tiny_model_dir, world_size):
     for r_pass, g_pass in zip(ref, got, strict=True):
         assert [o.token_ids for o in g_pass] == [o.token_ids for o in r_pass]
     assert all(o.num_cached_tokens >= 32 for o in got[1][:4]), "second pass missed the cache"
-
-
-def _pushed_run(model_dir: str, world_size: int) -> dict:
-    """One engine's greedy tokens for three prompts, one at a time (decode at batch 1, where
-    the push applies), and whether rank 0 (this process) pushed any partial."""
-    pushes = []
-    real = linear_module.tp_linear_push
-
-    def counting(x, weight, bias):
-        pushed = real(x, weight, bias)
-        pushes.append(pushed is not None)
-        return pushed
-
-    linear_module.tp_linear_push = counting
-    rng = random.Random(1)
-    prompts = [[rng.randrange(16384) for _ in range(n)] for n in (5, 37, 120)]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(model_dir, load_format="dummy", tensor_parallel_size=world_size, device="cuda",
-              dtype="bfloat16", kv_block_size=16, max_model_len=256, max_num_seqs=4,
-              gpu_memory_utilization=_memory_share(world_size, 6))
-    try:
-        tokens = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
-    finally:
-        llm.engine.shutdown()
-    return {"tokens": tokens, "pushed": any(pushes)}
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_pushed_partials_change_no_token(tmp_path, world_size):
-    """The pushed GEMV writes the same partials the plain one returns, and the fused kernel
-    sums them in the same order, so the tokens must not change in a bit. Each engine runs in
-    a process of its own: a second TP engine in one process would find its fresh workers'
-    symmetric-memory rendezvous count apart from rank 0's and fall back to NCCL.
-    NANOSERVE_PUSH_PARTIALS=1 pushes at 4 ranks too, where the default does not."""
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    config = dict(PRESETS["qwen3-8b"], num_hidden_layers=2, vocab_size=16384, bos_token_id=1,
-                  eos_token_id=2)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    runs = {}
-    for push in ("1", "0"):
-        env = dict(os.environ, NANOSERVE_PUSH_PARTIALS=push,
-                   PYTHONPATH=os.pathsep.join(sys.path))
-        proc = subprocess.run([sys.executable, __file__, str(tmp_path), str(world_size)],
-                              env=env, capture_output=True, text=True, timeout=400)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[push] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert runs["1"]["pushed"] and not runs["0"]["pushed"], runs
-    assert runs["1"]["tokens"] == runs["0"]["tokens"]
-    assert [len(t) for t in runs["1"]["tokens"]] == [24, 24, 24]
-
-
-if __name__ == "__main__":
-    print(json.dumps(_pushed_run(sys.argv[1], int(sys.argv[2]))))

@@ -1,0 +1,171 @@
+"""Decode fast paths at the torch level: the only API the model calls for them.
+
+Each op is one function with the torch composition as its definition, and a Triton kernel
+that serves it where it pays (models/kernels/decode_gemv.py, models/kernels/rope_store.py):
+
+- `linear`: F.linear; the batch-1 GEMV on CUDA for one bf16/fp16 row.
+- `norm_linear`: `[x + residual ->] rms_norm -> linear [-> silu_and_mul]`, returning the new
+  residual too; one fused GEMV launch on CUDA for one bf16/fp16 row.
+- `rope_store`: `split qkv -> [q_norm / k_norm] -> rotary -> store k / v in the paged cache`;
+  one launch on CUDA whenever there is a cache.
+
+Choosing the kernel by shape (M == 1, dtype, alignment) is a kernel choice like cuBLAS's
+heuristics: the results agree with the torch path to rounding (the same casts, sums in another
+order). Elsewhere (CPU, prefill, odd shapes) the torch path runs, through `fused` (one
+torch.compile'd kernel per elementwise step on CUDA; as written on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.layers.activation import silu_and_mul
+from models.layers.fusion import fused
+from models.layers.layernorm import add_rms_norm, rms_norm
+from models.layers.rotary import apply_rotary
+
+# dtypes the GEMV kernels serve from here (float32 runs them too, for tests, but cuBLAS is
+# as good there and the model never runs in it on GPU).
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+# Largest K the fused norm serves: every program re-reads the row over K for the statistics,
+# a cost that grows with K while the launches it saves do not.
+NORM_GEMV_MAX_K = 16384
+
+
+def _gemv_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """One bf16/fp16 CUDA row, a contiguous [N, K] weight of its dtype, K a multiple of 16
+    (16-byte aligned weight rows: Triton then vectorizes the loads), a [N] bias."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2):
+        return False
+    k = x.shape[1]
+    return (x.dtype in GEMV_DTYPES and weight.dtype == x.dtype and weight.shape[1] == k
+            and k % 16 == 0 and weight.shape[0] > 0 and x.stride(-1) == 1
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]
+                                  and bias.is_contiguous())))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); the batch-1 Triton GEMV where it serves."""
+    if _gemv_serves(x, weight, bias):
+        from models.kernels.decode_gemv import decode_gemv  # triton: CUDA torch ships it
+
+        return decode_gemv(x, weight, bias)[0]
+    return F.linear(x, weight, bias)
+
+
+def _norm_linear_torch(x: torch.Tensor, residual: torch.Tensor | None,
+                       norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                       bias: torch.Tensor | None, silu_mul: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        h, new_residual = fused(rms_norm, x)(x, norm_weight, eps), x
+    else:
+        h, new_residual = fused(add_rms_norm, x)(x, residual, norm_weight, eps)
+    out = F.linear(h, weight, bias)
+    if silu_mul:
+        out = fused(silu_and_mul, out)(out)
+    return out, new_residual
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, new_residual) with new_residual = x + residual (x itself when residual is None)
+    and out = [silu_and_mul](rms_norm(new_residual, norm_weight, eps) @ weight.T + bias).
+
+    x, residual: [T, K]; weight [N, K] ([2I, K], gate rows then up rows, with silu_mul); out
+    [T, N] ([T, I]). One fused Triton launch for one bf16/fp16 CUDA row; else the torch
+    composition (add_rms_norm, F.linear, silu_and_mul). x and residual are never written.
+    """
+    if (_gemv_serves(x, weight, bias) and x.shape[1] <= NORM_GEMV_MAX_K
+            and norm_weight.dtype == x.dtype and norm_weight.shape == x.shape[1:]
+            and norm_weight.stride(0) == 1
+            and (not silu_mul or weight.shape[0] % 2 == 0)
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1))):
+        from models.kernels.decode_gemv import decode_gemv
+
+        return decode_gemv(x, weight, bias, residual=residual, norm_weight=norm_weight,
+                           eps=eps, silu_mul=silu_mul)
+    return _norm_linear_torch(x, residual, norm_weight, eps, weight, bias, silu_mul)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key / value [T, Hkv, D] -> kv_cache[0] / kv_cache[1] ([2, num_blocks, block_size, Hkv,
+    D]) at slot = block_id * block_size + offset; tokens with slot -1 are skipped (the torch
+    backend's store_kv semantics, by index_copy_; the boolean mask reads the slots back, so
+    not CUDA-graph capturable: the Triton kernel covers CUDA)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    # view (not reshape): a copy would silently drop the writes.
+    k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
+    v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.index_copy_(0, slots, key[keep].to(kv_cache.dtype))
+    v_cache.index_copy_(0, slots, value[keep].to(kv_cache.dtype))
+
+
+def _rope_kernel_serves(qkv: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int,
+                        q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                        kv_cache: torch.Tensor | None, head_dim: int) -> bool:
+    if kv_cache is None or not qkv.is_cuda or qkv.dim() != 2 or qkv.stride(-1) != 1:
+        return False
+    from models.kernels.rope_store import rope_store_supported
+
+    if not rope_store_supported(head_dim, rotary_dim):
+        return False
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
+        return False
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        return False
+    if q_norm_weight is not None and any(w.dtype != qkv.dtype or w.stride(0) != 1
+                                         for w in (q_norm_weight, k_norm_weight)):
+        return False
+    # kv_cache[0] / kv_cache[1] with linear slots and contiguous heads.
+    return (kv_cache.dim() == 5 and kv_cache.stride(4) == 1
+            and kv_cache.stride(1) == kv_cache.shape[2] * kv_cache.stride(2))
+
+
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               rotary_dim: int, q_norm_weight: torch.Tensor | None,
+               k_norm_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor | None,
+               slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """qkv [T, (H + 2 * Hkv) * D] (after any bias) -> (q, k, v) for the attention:
+
+    q [T, H, D] is rms_norm'd per head (when q_norm_weight is given) and rotated (NeoX, the
+    first rotary_dim dims, cos_sin_cache [max_pos, rotary_dim] float32 as RotaryEmbedding
+    builds it); k likewise with k_norm_weight; v as is.
+
+    With a cache (kv_cache [2, num_blocks, block_size, Hkv, D]), k and v are stored at
+    slot_mapping[t] (-1: not stored) and returned as None: the attention reads them from the
+    cache (Attention.forward_cached). Without one (the profiling pass), k and v [T, Hkv, D]
+    are returned (Attention's forward_no_cache). On CUDA with a cache this is one Triton
+    launch; else the torch composition (rms_norm, apply_rotary, store_kv).
+    """
+    if _rope_kernel_serves(qkv, cos_sin_cache, rotary_dim, q_norm_weight, k_norm_weight,
+                           kv_cache, head_dim):
+        from models.kernels.rope_store import rope_store_kernel
+
+        q = rope_store_kernel(qkv, positions, cos_sin_cache, rotary_dim, q_norm_weight,
+                              k_norm_weight, eps, kv_cache[0], kv_cache[1], slot_mapping,
+                              num_heads, num_kv_heads, head_dim)
+        return q, None, None
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(-1, num_heads, head_dim)
+    k = k.reshape(-1, num_kv_heads, head_dim)
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = fused(rms_norm, q)(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = fused(rms_norm, k)(k, k_norm_weight, eps)
+    q, k = fused(apply_rotary, q)(positions, q, k, cos_sin_cache, rotary_dim)
+    if kv_cache is None:
+        return q, k, v
+    store_kv(k, v, kv_cache, slot_mapping)
+    return q, None, None

@@ -41,21 +41,25 @@ def _host_lists(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
     return seq_lens, cu
 
 
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key/value [T, Hkv, D] -> kv_cache[0/1] ([2, num_blocks, block_size, Hkv, D]) at slot =
+    block_id * block_size + offset; tokens with slot -1 are skipped. The boolean mask reads
+    the slots back, so this is not CUDA-graph capturable (models/kernels/store_kv.py is)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    # view (not reshape): a copy would silently drop the writes.
+    k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
+    v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache[slots] = key[keep].to(kv_cache.dtype)
+    v_cache[slots] = value[keep].to(kv_cache.dtype)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key/value [T, Hkv, D] -> kv_cache[0/1] at slot = block_id * block_size + offset;
-        tokens with slot -1 are skipped."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        # view (not reshape): a copy would silently drop the writes.
-        k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
-        v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        k_cache[slots] = key[keep].to(kv_cache.dtype)
-        v_cache[slots] = value[keep].to(kv_cache.dtype)
+    store_kv = staticmethod(store_kv)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

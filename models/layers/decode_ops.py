@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.backends.torch_backend import store_kv
 from models.layers.activation import silu_and_mul
 from models.layers.fusion import fused
 from models.layers.layernorm import add_rms_norm, rms_norm
@@ -93,41 +94,16 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return _norm_linear_torch(x, residual, norm_weight, eps, weight, bias, silu_mul)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """key / value [T, Hkv, D] -> kv_cache[0] / kv_cache[1] ([2, num_blocks, block_size, Hkv,
-    D]) at slot = block_id * block_size + offset; tokens with slot -1 are skipped (the torch
-    backend's store_kv semantics, by index_copy_; the boolean mask reads the slots back, so
-    not CUDA-graph capturable: the Triton kernel covers CUDA)."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    # view (not reshape): a copy would silently drop the writes.
-    k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
-    v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.index_copy_(0, slots, key[keep].to(kv_cache.dtype))
-    v_cache.index_copy_(0, slots, value[keep].to(kv_cache.dtype))
-
-
-def _rope_kernel_serves(qkv: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int,
-                        q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-                        kv_cache: torch.Tensor | None, head_dim: int) -> bool:
-    if kv_cache is None or not qkv.is_cuda or qkv.dim() != 2 or qkv.stride(-1) != 1:
+def _rope_kernel_serves(qkv: torch.Tensor, kv_cache: torch.Tensor | None, head_dim: int,
+                        rotary_dim: int) -> bool:
+    """A CUDA step with a cache and a head size the kernel serves; the layouts the model
+    always passes (contiguous heads, linear cache slots, norm weights of qkv's dtype) are
+    asserted by the launcher."""
+    if kv_cache is None or not qkv.is_cuda:
         return False
     from models.kernels.rope_store import rope_store_supported
 
-    if not rope_store_supported(head_dim, rotary_dim):
-        return False
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
-        return False
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        return False
-    if q_norm_weight is not None and any(w.dtype != qkv.dtype or w.stride(0) != 1
-                                         for w in (q_norm_weight, k_norm_weight)):
-        return False
-    # kv_cache[0] / kv_cache[1] with linear slots and contiguous heads.
-    return (kv_cache.dim() == 5 and kv_cache.stride(4) == 1
-            and kv_cache.stride(1) == kv_cache.shape[2] * kv_cache.stride(2))
+    return rope_store_supported(head_dim, rotary_dim)
 
 
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -143,12 +119,11 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
 
     With a cache (kv_cache [2, num_blocks, block_size, Hkv, D]), k and v are stored at
     slot_mapping[t] (-1: not stored) and returned as None: the attention reads them from the
-    cache (Attention.forward_cached). Without one (the profiling pass), k and v [T, Hkv, D]
+    cache (the Attention layer). Without one (the profiling pass), k and v [T, Hkv, D]
     are returned (Attention's forward_no_cache). On CUDA with a cache this is one Triton
     launch; else the torch composition (rms_norm, apply_rotary, store_kv).
     """
-    if _rope_kernel_serves(qkv, cos_sin_cache, rotary_dim, q_norm_weight, k_norm_weight,
-                           kv_cache, head_dim):
+    if _rope_kernel_serves(qkv, kv_cache, head_dim, rotary_dim):
         from models.kernels.rope_store import rope_store_kernel
 
         q = rope_store_kernel(qkv, positions, cos_sin_cache, rotary_dim, q_norm_weight,

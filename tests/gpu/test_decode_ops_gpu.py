@@ -2,7 +2,7 @@
 Qwen3-0.6B, Llama-3.2-1B and Qwen3-8B.
 
 Reference: the torch path of each op run eagerly on the same GPU inputs (rms_norm /
-add_rms_norm, F.linear through cuBLAS, silu_and_mul, apply_rotary, decode_ops.store_kv):
+add_rms_norm, F.linear through cuBLAS, silu_and_mul, apply_rotary, the torch backend's store_kv):
 within 1e-2 of the reference's largest magnitude (the GEMV sums in another order), the new
 residual and everything the cache holds outside the stored rows bit for bit. CUDA-graph
 capture + replay with new inputs must equal eager calls on those inputs bit for bit (no
@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.backends.torch_backend import store_kv
 from models.kernels import decode_gemv as decode_gemv_module
 from models.layers import decode_ops
 from models.layers.activation import silu_and_mul
@@ -145,7 +146,7 @@ def _torch_rope_store(qkv, positions, cos_sin_cache, rotary_dim, q_norm_weight,
     if q_norm_weight is not None:
         q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     q, k = apply_rotary(positions, q, k, cos_sin_cache, rotary_dim)
-    decode_ops.store_kv(k, v, kv_cache, slot_mapping)
+    store_kv(k, v, kv_cache, slot_mapping)
     return q
 
 

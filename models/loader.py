@@ -9,13 +9,13 @@ model's `packed_modules_mapping`.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from models.layers.fused_moe import FusedMoE
 from models.layers.layernorm import RMSNorm
 from models.parallel import WeightSource, check_shape, full_weight
 
@@ -46,20 +46,12 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-# Qwen3-MoE checkpoints keep one tensor per expert and projection; FusedMoE holds every
-# local expert in two stacked parameters (w13: gate rows then up rows; w2: down).
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_PARAM = {"gate_proj": ("w13_weight", "gate"), "up_proj": ("w13_weight", "up"),
-                 "down_proj": ("w2_weight", "down")}
-
-
 def _target(name: str, mapping: dict[str, tuple[str, str | int]]
             ) -> tuple[str, str | int | tuple[int, str] | None]:
     """HF tensor name -> (model parameter name, shard id or None)."""
-    expert = _EXPERT.search(name)
+    expert = FusedMoE.checkpoint_target(name)
     if expert is not None:
-        param, which = _EXPERT_PARAM[expert.group(2)]
-        return f"{name[:expert.start()]}.experts.{param}", (int(expert.group(1)), which)
+        return expert
     for hf_module, (fused, shard_id) in mapping.items():
         key = f".{hf_module}."
         if key in name:
@@ -72,8 +64,8 @@ def _expected_sources(params: dict[str, nn.Parameter],
                       num_experts: int) -> dict[tuple, str]:
     """Every (parameter, shard id) the checkpoint must provide -> the HF name it comes from."""
     expected: dict[tuple, str] = {}
-    by_param = {param: [(hf, which) for hf, (p, which) in _EXPERT_PARAM.items() if p == param]
-                for param, _ in _EXPERT_PARAM.values()}
+    by_param = {param: [(hf, which) for hf, (p, which) in FusedMoE.PROJECTIONS.items()
+                        if p == param] for param, _ in FusedMoE.PROJECTIONS.values()}
     for name in params:
         prefix, _, leaf = name.rpartition(".experts.")
         if leaf in by_param:  # every expert, also those another rank holds

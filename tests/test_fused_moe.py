@@ -52,7 +52,8 @@ def _hub_tensors(block) -> dict[str, torch.Tensor]:
 def _load(layer: FusedMoE, tensors: dict) -> None:
     """What the model's loader does: each hub tensor to its parameter's weight_loader."""
     params = {f"mlp.experts.{name}": p for name, p in layer.named_parameters()}
-    for hub_name, (param_name, shard_id) in FusedMoE.checkpoint_mapping(E).items():
+    for hub_name in tensors:
+        param_name, shard_id = FusedMoE.checkpoint_target(hub_name)
         param = params[param_name]
         param.weight_loader(param, tensors[hub_name], shard_id)
 
@@ -171,8 +172,11 @@ def test_loader_rejects_bad_shards() -> None:
 
 
 def test_checkpoint_mapping_names_every_projection() -> None:
-    mapping = FusedMoE.checkpoint_mapping(E)
-    assert len(mapping) == 3 * E
+    hub_names = [f"mlp.experts.{e}.{proj}.weight" for e in range(E)
+                 for proj in ("gate_proj", "up_proj", "down_proj")]
+    mapping = {name: FusedMoE.checkpoint_target(name) for name in hub_names}
+    assert len(set(mapping.values())) == 3 * E
+    assert FusedMoE.checkpoint_target("mlp.gate.weight") is None
     assert mapping["mlp.experts.3.gate_proj.weight"] == ("mlp.experts.w13_weight", (3, "gate"))
     assert mapping["mlp.experts.7.up_proj.weight"] == ("mlp.experts.w13_weight", (7, "up"))
     assert mapping["mlp.experts.0.down_proj.weight"] == ("mlp.experts.w2_weight", (0, "down"))

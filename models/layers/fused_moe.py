@@ -8,6 +8,7 @@ sums and the caller's all-reduce completes them (like RowParallelLinear(reduce_r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 
 from models.parallel import WeightSource, check_shape, full_weight, get_tp_rank, get_tp_size
 
+# Checkpoints keep one tensor per expert and projection: "...experts.{e}.{proj}.weight".
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # (x [T, H], topk_weights [T, k] float32, topk_ids [T, k]) -> [T, H]
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (router_logits [T, E], top_k, renormalize) -> (topk_weights, topk_ids)
@@ -43,7 +46,7 @@ class FusedMoE(nn.Module):
     fused_topk, then grouped GEMMs over the slots sorted by expert; CUDA-graph safe), else
     as plain torch (select_experts, then a loop over the local experts)."""
 
-    # Hub projection name -> (parameter, shard kind); see `checkpoint_mapping`.
+    # Hub projection name -> (parameter, shard kind); see `checkpoint_target`.
     PROJECTIONS: dict[str, tuple[str, str]] = {
         "gate_proj": ("w13_weight", "gate"),
         "up_proj": ("w13_weight", "up"),
@@ -79,7 +82,6 @@ class FusedMoE(nn.Module):
             torch.empty(self.num_local_experts, hidden_size, intermediate_size),
             requires_grad=False)
         self.w2_weight.weight_loader = self.weight_loader
-        self.use_triton = use_triton
         # One implementation per layer, chosen here: forward never branches on the device.
         self._select: SelectFn = select_experts
         self._experts: ExpertsFn = self._torch_experts
@@ -91,12 +93,15 @@ class FusedMoE(nn.Module):
             self._experts = self._triton_experts
 
     @classmethod
-    def checkpoint_mapping(cls, num_experts: int, prefix: str = "mlp.experts"
-                           ) -> dict[str, tuple[str, tuple[int, str]]]:
-        """Hub tensor name -> (parameter name, shard_id) for every expert, relative to the
-        decoder layer: "mlp.experts.3.up_proj.weight" -> ("mlp.experts.w13_weight", (3, "up"))."""
-        return {f"{prefix}.{e}.{proj}.weight": (f"{prefix}.{param}", (e, kind))
-                for e in range(num_experts) for proj, (param, kind) in cls.PROJECTIONS.items()}
+    def checkpoint_target(cls, name: str) -> tuple[str, tuple[int, str]] | None:
+        """Hub tensor name -> (parameter name, shard_id), or None for a non-expert tensor:
+        "model.layers.0.mlp.experts.3.up_proj.weight" ->
+        ("model.layers.0.mlp.experts.w13_weight", (3, "up"))."""
+        found = _EXPERT_TENSOR.search(name)
+        if found is None:
+            return None
+        param, kind = cls.PROJECTIONS[found.group(2)]
+        return f"{name[:found.start()]}.experts.{param}", (int(found.group(1)), kind)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource,
                       shard_id: tuple[int, str]) -> None:

@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from models.layers.rotary import (
     SUPPORTED_ROPE_TYPES,
     RotaryEmbedding,
+    apply_rotary,
     check_rope_scaling,
     get_rope,
     rope_inv_freq,
@@ -101,7 +102,7 @@ def test_rotated_qk_match_transformers(name: str) -> None:
     rope = get_rope(d, MAX_POSITION, case.base, case.rope_scaling)
     assert rope.cos_sin_cache.shape == (MAX_POSITION, d)
     assert rope.cos_sin_cache.dtype == torch.float32
-    q, k = rope(positions, query, key)
+    q, k = apply_rotary(positions, query, key, rope.cos_sin_cache, rope.rotary_dim)
 
     hf_rope = LlamaRotaryEmbedding(hf_config(case))
     cos, sin = hf_rope(query, positions[None])  # [1, T, D]

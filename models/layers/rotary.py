@@ -12,8 +12,6 @@ import math
 import torch
 from torch import nn
 
-from models.layers.fusion import fused
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Fields each type needs in the rope_scaling dict. llama3 and yarn also need
@@ -142,7 +140,8 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None
 
 class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to max_position are precomputed once, in float32,
-    already multiplied by the scaling's attention factor (yarn's; 1 for the others).
+    already multiplied by the scaling's attention factor (yarn's; 1 for the others). The
+    table is what `apply_rotary` and the Triton rope kernel read; one is shared by all layers.
 
     Build the model under the target device/default dtype rather than calling
     `model.to(dtype)`, which would also cast this float32 cache.
@@ -156,7 +155,6 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_size
         if self.rotary_dim % 2 != 0 or self.rotary_dim > head_size:
             raise ValueError(f"rotary_dim must be even and <= head_size, got {self.rotary_dim}")
-        self.rope_type = _rope_type(rope_scaling)
         inv_freq, self.attention_factor = rope_inv_freq(self.rotary_dim, base, rope_scaling,
                                                         original_max_position)
         t = torch.arange(max_position, dtype=torch.float32)
@@ -164,12 +162,6 @@ class RotaryEmbedding(nn.Module):
         cos_sin_cache = torch.cat([freqs.cos() * self.attention_factor,
                                    freqs.sin() * self.attention_factor], dim=-1)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)  # [max_pos, rd]
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, H, D]; key [T, Hkv, D] -> rotated (query, key)."""
-        return fused(apply_rotary, query)(positions, query, key, self.cos_sin_cache,
-                                          self.rotary_dim)
 
 
 def get_rope(head_size: int, max_position: int, base: float, rope_scaling: dict | None = None,

@@ -44,15 +44,27 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int, eos_token_id=None) -
     return out
 
 
-def spy_preemptions(llm) -> list[str]:
-    """The ids of every sequence the engine's scheduler preempts from now on."""
-    preempted: list[str] = []
+def spy_schedule(llm, pick) -> list:
+    """Everything `pick(scheduler_output)` yields, for every step the engine schedules from
+    now on."""
+    seen: list = []
     original = llm.engine.scheduler.schedule
 
     def spy():
         out = original()
-        preempted.extend(s.seq_id for s in out.preempted)
+        seen.extend(pick(out))
         return out
 
     llm.engine.scheduler.schedule = spy
-    return preempted
+    return seen
+
+
+def spy_preemptions(llm) -> list[str]:
+    """The ids of every sequence the engine's scheduler preempts from now on."""
+    return spy_schedule(llm, lambda out: (s.seq_id for s in out.preempted))
+
+
+def spy_prefill_chunks(llm) -> list[int]:
+    """The sizes of the prompt chunks that did not finish their prompt (no token sampled)."""
+    return spy_schedule(llm, lambda out: (s.num_new_tokens for s in out.scheduled
+                                          if not s.sample))

@@ -23,7 +23,13 @@ import pytest
 import torch
 
 from engine_service import LLM
-from tests.helpers import greedy, hf_greedy, shared_prefix_prompts, spy_preemptions
+from tests.helpers import (
+    greedy,
+    hf_greedy,
+    shared_prefix_prompts,
+    spy_preemptions,
+    spy_prefill_chunks,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -236,20 +242,6 @@ def built(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- greedy parity
-
-
-def spy_prefill_chunks(llm) -> list[int]:
-    """The sizes of the prompt chunks that did not finish their prompt (no token sampled)."""
-    chunks: list[int] = []
-    original = llm.engine.scheduler.schedule
-
-    def spy():
-        out = original()
-        chunks.extend(s.num_new_tokens for s in out.scheduled if not s.sample)
-        return out
-
-    llm.engine.scheduler.schedule = spy
-    return chunks
 
 
 def run_and_compare(b: Built, **engine_kw) -> None:

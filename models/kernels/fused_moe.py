@@ -54,10 +54,8 @@ class MoeConfig:
 
 
 # 16-bit configs by expected slots per local expert (T * top_k / E_local), from a sweep of
-# tiles for the Qwen3-30B-A3B experts (E 128, top-8, hidden 2048, moe_intermediate 768) on an
-# H100. Few slots per expert (decode): the weights' bytes decide and every tile choice was
-# within noise, at ~3 TB/s (T = 64 reads all 128 experts, 1.2 GB: 410 us); many (prefill):
-# tensor-core tiles, 128-row blocks best at T = 8192 (1.54 ms with routing and alignment).
+# tiles for the Qwen3-30B-A3B experts on an H100. Few slots per expert (decode): the weights'
+# bytes decide and the tile hardly matters; many (prefill): larger tensor-core tiles.
 _BF16_TABLE: tuple[tuple[float, MoeConfig], ...] = (
     (4, MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
     (32, MoeConfig(32, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
@@ -259,6 +257,20 @@ def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block(block_experts_ptr, sorted_slots_ptr, num_slots, num_m_blocks, N,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile of the sorted slots: (expert, -1 past the used blocks; sorted
+    positions; slots; rows holding a real slot, padding rows load and store zeros; output
+    columns; their mask)."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_experts_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + offs_m)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, offs_m, slots, slots < num_slots, offs_n, offs_n < N
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr,
     num_slots, num_m_blocks, N, K,
@@ -267,16 +279,12 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # x [T, K]; w [E_local, 2N, K] (gate rows, then up rows); h [sorted, N]
-    pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    expert = tl.load(block_experts_ptr + pid_m)
+    expert, offs_m, slots, rows, offs_n, cols = _block(
+        block_experts_ptr, sorted_slots_ptr, num_slots, num_m_blocks, N, BLOCK_M, BLOCK_N,
+        GROUP_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_slots_ptr + offs_m)
-    rows = slots < num_slots  # padding rows load zeros and store zeros
     tokens = (slots // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     gate_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
@@ -313,15 +321,11 @@ def _down_kernel(
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # h [sorted, K]; w [E_local, N, K]; y [num_slots, N]; topk_weights [num_slots] fp32
-    pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    expert = tl.load(block_experts_ptr + pid_m)
+    expert, offs_m, slots, rows, offs_n, cols = _block(
+        block_experts_ptr, sorted_slots_ptr, num_slots, num_m_blocks, N, BLOCK_M, BLOCK_N,
+        GROUP_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_slots_ptr + offs_m)
-    rows = slots < num_slots
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn

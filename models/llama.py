@@ -44,6 +44,7 @@ class LlamaAttention(nn.Module):
                                         config.hidden_size, bias=config.o_proj_bias,
                                         reduce_results=False)
         self.rotary_emb = rotary_emb  # shared by all layers
+        self.qk_norm_eps = config.rms_norm_eps  # of Qwen3's q/k norm, where there is one
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim,
                               scale=head_dim**-0.5, backend=backend)
 
@@ -61,7 +62,7 @@ class LlamaAttention(nn.Module):
         # Rotary (and Qwen3's q/k norm) and the K/V store into the paged cache, one launch
         # on a GPU; k and v come back only when there is no cache yet (the profiling pass).
         q, k, v = rope_store(qkv, positions, self.rotary_emb.cos_sin_cache,
-                             self.rotary_emb.rotary_dim, q_norm, k_norm, norm.eps,
+                             self.rotary_emb.rotary_dim, q_norm, k_norm, self.qk_norm_eps,
                              self.attn.kv_cache, meta.slot_mapping, self.num_heads,
                              self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta)  # [T, H, D]

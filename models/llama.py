@@ -64,7 +64,7 @@ class LlamaAttention(nn.Module):
         q, k, v = rope_store(qkv, positions, self.rotary_emb.cos_sin_cache,
                              self.rotary_emb.rotary_dim, q_norm, k_norm, self.qk_norm_eps,
                              self.attn.kv_cache, meta.slot_mapping, self.num_heads,
-                             self.num_kv_heads, self.head_dim)
+                             self.num_kv_heads, self.head_dim, self.attn.backend.store_kv)
         out = self.attn(q, k, v, meta)  # [T, H, D]
         return self.o_proj(out.flatten(1)), residual
 

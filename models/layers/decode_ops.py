@@ -17,6 +17,8 @@ torch.compile'd kernel per elementwise step on CUDA; as written on CPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,8 @@ from models.layers.fusion import fused
 from models.layers.layernorm import add_rms_norm, rms_norm
 from models.layers.rotary import apply_rotary
 
+# (key [T, Hkv, D], value, kv_cache, slot_mapping) -> None: an attention backend's store_kv.
+StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # dtypes the GEMV kernels serve from here (float32 runs them too, for tests, but cuBLAS is
 # as good there and the model never runs in it on GPU).
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -109,7 +113,8 @@ def _rope_kernel_serves(qkv: torch.Tensor, kv_cache: torch.Tensor | None, head_d
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                rotary_dim: int, q_norm_weight: torch.Tensor | None,
                k_norm_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor | None,
-               slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+               slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+               store: StoreKV = store_kv
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """qkv [T, (H + 2 * Hkv) * D] (after any bias) -> (q, k, v) for the attention:
 
@@ -121,7 +126,8 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
     slot_mapping[t] (-1: not stored) and returned as None: the attention reads them from the
     cache (the Attention layer). Without one (the profiling pass), k and v [T, Hkv, D]
     are returned (Attention's forward_no_cache). On CUDA with a cache this is one Triton
-    launch; else the torch composition (rms_norm, apply_rotary, store_kv).
+    launch; else the torch composition (rms_norm, apply_rotary, then `store`: the attention
+    backend's store_kv, a CUDA-graph capturable kernel on GPU backends).
     """
     if _rope_kernel_serves(qkv, kv_cache, head_dim, rotary_dim):
         from models.kernels.rope_store import rope_store_kernel
@@ -142,5 +148,5 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
     q, k = fused(apply_rotary, q)(positions, q, k, cos_sin_cache, rotary_dim)
     if kv_cache is None:
         return q, k, v
-    store_kv(k, v, kv_cache, slot_mapping)
+    store(k, v, kv_cache, slot_mapping)
     return q, None, None

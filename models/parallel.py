@@ -12,12 +12,9 @@ On CUDA, `init_fast_all_reduce` replaces NCCL for small all-reduces (the two per
 layer of a decode step) with a one-shot or two-shot all-reduce over symmetric memory: every
 rank maps its peers' buffer over NVLink and one kernel sums them, without NCCL's per-call
 protocol overhead. Anything it does not cover, or any failure to set it up, goes to NCCL.
-`tp_all_reduce_add_rms_norm` goes one step further for the decoder layer's epilogue: the
-sum, the residual add and the RMSNorm in one kernel without any barrier
-(models/kernels/all_reduce_norm.py). `tp_argmax` is the vocab-parallel sampler's exchange:
-every rank's best (value, index) candidates of each row reduced to one index, identical on
-every rank. NVLink multicast (NVLS) is never used: it can take a shared host's GPUs out of
-service.
+`tp_argmax` is the vocab-parallel sampler's exchange: every rank's best (value, index)
+candidates of each row reduced to one index, identical on every rank. NVLink multicast
+(NVLS) is never used: it can take a shared host's GPUs out of service.
 """
 
 from __future__ import annotations
@@ -65,19 +62,6 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
             return _FAST.impl.all_reduce(x)
         dist.all_reduce(x)
     return x
-
-
-def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
-                               weight: torch.Tensor, eps: float
-                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual) in one fused
-    kernel when the symmetric-memory fast path covers x (no residual: of the sum alone,
-    for the first layer); None otherwise (the caller then all-reduces and normalizes on
-    its own). The answer depends only on what every rank shares (shape, dtype, the fast
-    path being on), so all ranks take the same branch."""
-    if get_tp_size() > 1 and _FAST.impl is not None:
-        return _FAST.impl.all_reduce_add_rms_norm(x, residual, weight, eps)
-    return None
 
 
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -187,14 +171,6 @@ FAST_ALIGN_BYTES = 16
 ONE_SHOT_MAX_BYTES_UP_TO_4_RANKS = 512 * 1024
 ONE_SHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 
-# The fused all-reduce + add + RMSNorm kernel (models/kernels/all_reduce_norm.py) covers
-# messages up to this size (decode batches: [32, 4096] or [128, 1024] bf16); larger ones go
-# through the all-reduce above and a separate norm. Its buffer per rank holds two halves of
-# every rank's rows, 2 * W * this many bytes (no flags: an EMPTY value marks free slots).
-FUSED_NORM_MAX_BYTES = 256 * 1024
-FUSED_NORM_ROWS = 1024
-FUSED_NORM_MAX_RANKS = 8
-
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
 
 _SYMM_MEM_OPS = ("one_shot_all_reduce", "one_shot_all_reduce_copy_out", "two_shot_all_reduce_")
@@ -296,18 +272,6 @@ class SymmMemAllReduce:
         self._handle: Any = None
         # One view per dtype of the same storage: [max_bytes // itemsize] each.
         self._views = {dtype: self._buffer.view(dtype) for dtype in FAST_DTYPES}
-        # The fused all-reduce + add + RMSNorm's data halves (its kernel unrolls over the
-        # ranks: up to 8, powers of two as TP groups are).
-        self.fused_norm = (self.world_size <= FUSED_NORM_MAX_RANKS
-                           and self.world_size & (self.world_size - 1) == 0)
-        self._fused_data_bytes = 2 * self.world_size * FUSED_NORM_MAX_BYTES
-        self._fused_buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
-            (self._fused_data_bytes,), (1,), torch.uint8, self.device
-        ) if self.fused_norm else None
-        self._fused_handle: Any = None
-        self._epochs = torch.zeros(FUSED_NORM_ROWS, dtype=torch.int32, device=self.device)
-        self._norm_buffers: Any = None  # models.kernels.all_reduce_norm.NormBuffers, mapped
-        self._fused_kernel: Any = None  # all_reduce_add_rms_norm, once the buffers are mapped
 
     def rendezvous(self) -> None:
         """Collective: map every peer's buffer, then run each algorithm once on known
@@ -315,7 +279,6 @@ class SymmMemAllReduce:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self._handle = symm_mem.rendezvous(self._buffer, self.group_name)
-        self._rendezvous_fused()
         expected = self.world_size * (self.world_size + 1) // 2
         for dtype in FAST_DTYPES:
             numel = min(4096, self.max_bytes // dtype.itemsize)
@@ -326,59 +289,6 @@ class SymmMemAllReduce:
                 if wrong:
                     raise RuntimeError(f"symmetric-memory {algorithm} all-reduce ({dtype}) "
                                        f"self-check: {wrong} of {numel} sums wrong")
-
-    def _rendezvous_fused(self) -> None:
-        """Map the fused kernel's buffers (every slot marked empty first; a barrier after, so
-        no rank writes into a peer's buffer before that peer emptied it), and check one call
-        per dtype on known values (which also compiles the kernel before any graph capture)."""
-        if not self.fused_norm:
-            return
-        # Imported here, not at the top: this module runs on CPU installs without triton.
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        from models.kernels.all_reduce_norm import (
-            NormBuffers,
-            all_reduce_add_rms_norm,
-            fill_empty_,
-        )
-
-        fill_empty_(self._fused_buffer)
-        self._fused_handle = symm_mem.rendezvous(self._fused_buffer, self.group_name)
-        data_ptrs = torch.tensor(list(self._fused_handle.buffer_ptrs), dtype=torch.int64,
-                                 device=self.device)
-        torch.cuda.synchronize(self.device)
-        dist.barrier()
-        self._fused_kernel = all_reduce_add_rms_norm
-        self._norm_buffers = NormBuffers(data_ptrs, self._fused_data_bytes, self._epochs,
-                                         self.rank, self.world_size)
-        hidden, expected = 4096, self.world_size * (self.world_size + 1) // 2 + 1
-        for dtype in FAST_DTYPES:
-            x = torch.full((2, hidden), self.rank + 1, dtype=dtype, device=self.device)
-            ones = torch.ones(hidden, dtype=dtype, device=self.device)
-            out, residual = self.all_reduce_add_rms_norm(x, torch.ones_like(x), ones, 1e-6)
-            wrong = int((residual != expected).sum().item()) + int(
-                ((out.float() - 1).abs() > 1e-2).sum().item())
-            if wrong:
-                raise RuntimeError(f"fused all-reduce + RMSNorm ({dtype}) self-check: "
-                                   f"{wrong} wrong values")
-            # The next dtype lays its rows out differently: no rank may still read these.
-            torch.cuda.synchronize(self.device)
-            dist.barrier()
-
-    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                                weight: torch.Tensor, eps: float
-                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The fused kernel's (normalized, new residual), or None where it does not apply:
-        a group, dtype or size it does not cover, or a layout it does not read. (A message
-        within FUSED_NORM_MAX_BYTES also fits the data halves, 2 * W times that size.)"""
-        num_rows = x.shape[0] if x.dim() == 2 else 0
-        if (self._norm_buffers is None or not x.is_cuda or x.dim() != 2
-                or x.stride(-1) != 1 or x.dtype not in FAST_DTYPES
-                or not 0 < num_rows <= FUSED_NORM_ROWS
-                or x.numel() * x.element_size() > FUSED_NORM_MAX_BYTES
-                or (residual is not None and residual.stride(-1) != 1)):
-            return None
-        return self._fused_kernel(x, residual, weight, eps, self._norm_buffers)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
@@ -429,9 +339,6 @@ class SymmMemAllReduce:
         self._views = {}
         self._handle = None
         self._buffer = None
-        self._fused_handle = None
-        self._fused_buffer = None
-        self._norm_buffers = None
 
 
 @dataclass

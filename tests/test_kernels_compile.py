@@ -54,7 +54,7 @@ if _REASON is not None:
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from models.kernels import all_reduce_norm, decode_gemv, rope_store, sample, store_kv  # noqa: E402
+from models.kernels import decode_gemv, rope_store, sample, store_kv  # noqa: E402
 from models.kernels import fused_moe as moe  # noqa: E402
 from models.kernels import paged_attention as pa  # noqa: E402
 
@@ -252,39 +252,6 @@ def _sample_cases() -> list[Any]:
     return cases
 
 
-def _all_reduce_norm_cases() -> list[Any]:
-    """Every group size the fused norm serves (powers of two up to 8), for the 8B hidden
-    size in both FAST_DTYPES (start-up self-checks both) and the 0.6B's: every rank of 2
-    and 4, the first and last of 8 (RANK only picks which unrolled peer is skipped)."""
-    cases = []
-    for hidden, dt in ((4096, "bf16"), (4096, "fp32"), (1024, "bf16")):
-        itemsize = 4 if dt == "fp32" else 2
-        block_h = triton.next_power_of_2(hidden)
-        for world in (2, 4, 8):
-            data_rows = min(1024, 256 * 1024 // (hidden * itemsize))
-            for rank in range(world) if world <= 4 else (0, world - 1):
-                # Layer 0's call has no residual (the embedding's partial sum alone).
-                has_residual = rank != world - 1 or world == 2
-                case = Case(
-                    kernel=all_reduce_norm._all_reduce_add_rms_norm_kernel,
-                    pointers={**_ptrs(dt, "x_ptr", "residual_ptr", "weight_ptr", "out_ptr",
-                                      "residual_out_ptr"),
-                              **_ptrs("i64", "data_ptrs"),
-                              **_ptrs("i32", "epochs_ptr")},
-                    constexprs=dict(RANK=rank, WORLD=world, BLOCK_H=block_h,
-                                    HAS_RESIDUAL=has_residual),
-                    num_warps=all_reduce_norm.norm_num_warps(block_h, world),
-                    ints=dict(hidden=hidden, data_rows=data_rows,
-                              stride_x=hidden, stride_r=hidden, stride_o=hidden,
-                              stride_ro=hidden),
-                    floats=("eps",),
-                )
-                cases.append(pytest.param(
-                    case, id=f"all_reduce_norm-h{hidden}-{dt}-w{world}-r{rank}"
-                             f"{'' if has_residual else '-first'}"))
-    return cases
-
-
 # --------------------------------------------------------------------------- decode GEMV
 
 def _decode_gemv_cases() -> list[Any]:
@@ -394,8 +361,7 @@ def _fused_moe_cases() -> list[Any]:
 
 
 CASES = (_attention_cases() + _store_kv_cases() + _sample_cases()
-         + _all_reduce_norm_cases() + _decode_gemv_cases() + _rope_store_cases()
-         + _fused_moe_cases())
+         + _decode_gemv_cases() + _rope_store_cases() + _fused_moe_cases())
 
 
 @pytest.mark.parametrize("case", CASES)

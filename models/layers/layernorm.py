@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from models.layers.fusion import fused
-from models.parallel import tp_all_reduce, tp_all_reduce_add_rms_norm
+from models.parallel import tp_all_reduce
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,15 +35,11 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`: x + residual is normalized and also returned
         as the new residual, i.e. (norm(x + residual), x + residual). With `reduce`, x is a
-        tensor-parallel partial sum that is summed over the ranks first, in one kernel with
-        the add and the norm where the fast all-reduce covers it; the sum (plus the
-        residual, if any) is returned as the new residual."""
+        tensor-parallel partial sum that is summed over the ranks first (in place); the sum
+        (plus the residual, if any) is returned as the new residual."""
         if residual is None and not reduce:
             return fused(rms_norm, x)(x, self.weight, self.eps)
         if reduce:
-            done = tp_all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-            if done is not None:
-                return done
             x = tp_all_reduce(x)
         if residual is None:
             return fused(rms_norm, x)(x, self.weight, self.eps), x

@@ -144,7 +144,7 @@ class RowParallelLinear(LinearBase):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced.
 
     With `reduce_results=False` the layer returns this rank's partial sum and its consumer
-    reduces it (an RMSNorm with `reduce=True` does that in one kernel with its add)."""
+    reduces it (the next block's `tp_all_reduce`, or an RMSNorm with `reduce=True`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True) -> None:

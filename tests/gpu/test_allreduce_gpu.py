@@ -3,8 +3,7 @@
 of every rank's input (gathered), eagerly and from a CUDA graph replayed with new inputs;
 with one-shot and with two-shot; for aligned, offset and strided tensors; the logits
 all-gather built on it equals NCCL's bit for bit; and what it does
-not cover (too large, float16, odd sizes) still sums right through NCCL. The fused
-all-reduce + add + RMSNorm kernel matches the unfused path, with ranks bit-identical. The
+not cover (too large, float16, odd sizes) still sums right through NCCL. The
 cross-rank argmax (`tp_argmax`) answers as a plain-Python reference over every rank's
 candidates, and vocab-parallel sampling (race_partials on each rank's shard, then
 tp_argmax) draws what race_argmax draws on the full row."""
@@ -16,12 +15,10 @@ import torch
 import torch.distributed as dist
 
 from models.kernels.sample import race_argmax, race_partials
-from models.layers.layernorm import add_rms_norm, rms_norm
 from models.parallel import (
     init_fast_all_reduce,
     tp_all_gather_last_dim,
     tp_all_reduce,
-    tp_all_reduce_add_rms_norm,
     tp_argmax,
 )
 from tests.gpu.graphs import capture
@@ -114,108 +111,6 @@ def _graph_case(device: torch.device, rank: int, tag: str) -> None:
             _assert_sum(out, x, f"{tag} graph replay {step} {name}")
 
 
-def _fused_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused path: the float32 sum of every rank's x in rank order, rounded to x's
-    dtype, then the model's add + RMSNorm (eager torch)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    total = parts[0].float()
-    for part in parts[1:]:
-        total = total + part.float()
-    if residual is None:  # the first layer's call: the embedding's partial sums alone
-        return rms_norm(total.to(x.dtype), weight, eps), total.to(x.dtype)
-    return add_rms_norm(total.to(x.dtype), residual, weight, eps)
-
-
-def _check_fused(got: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                 residual: torch.Tensor | None, weight: torch.Tensor, what: str) -> None:
-    assert got is not None, f"{what}: the fused path did not take it"
-    out, new_residual = got
-    ref_out, ref_residual = _fused_reference(x, residual, weight, 1e-6)
-    ulp = 2.0 ** (1 - SIGNIFICAND_BITS[x.dtype])
-    assert torch.equal(new_residual, ref_residual), (
-        f"{what}: residual off by {(new_residual.float() - ref_residual.float()).abs().max()}")
-    err = ((out.float() - ref_out.float()).abs() / (ref_out.float().abs() + 1e-3)).max()
-    assert err <= 2 * ulp, f"{what}: normalized output off by {err} relative"
-    # Every rank holds bit-identical results (the ranks' hidden states must not drift).
-    for mine in (out, new_residual):
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine.contiguous())
-        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{what}: ranks differ"
-
-
-def _fused_cases(device: torch.device, rank: int) -> None:
-    """all-reduce + add + RMSNorm in one kernel: eagerly over several shapes, then a graph
-    of three calls (odd, so row parities shift between replays) replayed with new inputs,
-    with eager calls of other row counts in between; and what it must leave alone."""
-    shapes = [((1, HIDDEN), torch.bfloat16), ((8, HIDDEN), torch.bfloat16),
-              ((32, HIDDEN), torch.bfloat16), ((3, 1000), torch.float32)]
-    for i, (shape, dtype) in enumerate(shapes):
-        x = _random(shape, dtype, device, seed=500 + 10 * i + rank)
-        residual = _random(shape, dtype, device, seed=501 + 10 * i)  # same on every rank
-        weight = _random(shape[1:], dtype, device, seed=502 + 10 * i)
-        _check_fused(tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6), x, residual,
-                     weight, f"eager {shape} {dtype}")
-        _check_fused(tp_all_reduce_add_rms_norm(x, None, weight, 1e-6), x, None,
-                     weight, f"eager {shape} {dtype}, no residual")
-        torch.cuda.synchronize()
-        dist.barrier()  # another hidden size / dtype lays the buffer out differently
-    # Values equal to the kernel's EMPTY marker (-0.0 in bf16, 0x80008000 in float32) must
-    # arrive like any other: sent as a value that does not mark a slot empty, or the
-    # receiver would wait for them forever.
-    for dtype, bits, sent_as in ((torch.bfloat16, -32768, 0),
-                                 (torch.float32, -2147450880, -2147483648)):
-        x = _random((2, HIDDEN), dtype, device, seed=600 + rank)
-        as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
-        x.view(as_int)[:, rank::3] = bits
-        residual = _random((2, HIDDEN), dtype, device, seed=601)
-        weight = _random((HIDDEN,), dtype, device, seed=602)
-        _check_fused(tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6), x, residual,
-                     weight, f"EMPTY-valued elements {dtype}")
-        torch.cuda.synchronize()
-        dist.barrier()
-        # Rank 0 alone holds EMPTY values and every other input is zero, so nothing absorbs
-        # them: every rank must sum what rank 0 sent (-0.0 for the float32 denormal, the
-        # kernel's documented replacement), bit for bit alike (_check_fused).
-        x = torch.zeros((1, HIDDEN), dtype=dtype, device=device)
-        sent = x.clone()
-        if rank == 0:
-            x.view(as_int)[:, ::5] = bits
-            sent.view(as_int)[:, ::5] = sent_as
-        zeros = torch.zeros_like(x)
-        _check_fused(tp_all_reduce_add_rms_norm(x, zeros, weight, 1e-6), sent, zeros, weight,
-                     f"EMPTY values on one rank {dtype}")
-        torch.cuda.synchronize()
-        dist.barrier()
-    # Too large for the fused path ([64, 4096] bf16 = 512 KiB): the caller's job.
-    big = torch.zeros(64, HIDDEN, dtype=torch.bfloat16, device=device)
-    assert tp_all_reduce_add_rms_norm(big, big, big[0], 1e-6) is None
-
-    x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16, device=device)
-    residual = torch.zeros_like(x)
-    weight = _random((HIDDEN,), torch.bfloat16, device, seed=7)
-
-    def body() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        first = tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6)
-        second = tp_all_reduce_add_rms_norm(first[0] * 1, first[1], weight, 1e-6)
-        return [first, second, tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6)]
-
-    graph, outs = capture(body)
-    for step in range(4):
-        x.copy_(_random(x.shape, x.dtype, device, seed=900 + 10 * step + rank))
-        residual.copy_(_random(x.shape, x.dtype, device, seed=901 + 10 * step))
-        graph.replay()
-        _check_fused(outs[0], x, residual, weight, f"graph replay {step} call 0")
-        _check_fused(outs[2], x, residual, weight, f"graph replay {step} call 2")
-        _check_fused(outs[1], outs[0][0], outs[0][1], weight, f"graph replay {step} call 1")
-        rows = 1 + step * 3  # eager calls over other row counts move some rows' parities
-        y = _random((rows, HIDDEN), torch.bfloat16, device, seed=950 + step + rank)
-        r = torch.ones_like(y)
-        _check_fused(tp_all_reduce_add_rms_norm(y, r, weight, 1e-6), y, r, weight,
-                     f"eager {rows} rows after replay {step}")
-
-
 def _gather_cases(device: torch.device, rank: int, tag: str) -> None:
     """tp_all_gather_last_dim equals NCCL's all-gather bit for bit: through the fast path
     (a sum of zero-padded copies) where it fits, through NCCL where it does not."""
@@ -271,7 +166,6 @@ def _rank(rank: int, world_size: int) -> None:
     # Default: one-shot for everything up to 8 MiB on two ranks (512 KiB on four).
     assert init_fast_all_reduce(device), "the fast path did not start (see the warning)"
     _argmax_cases(device, rank)
-    _fused_cases(device, rank)
     _gather_cases(device, rank, "one-shot")
     _eager_cases(device, rank, "one-shot")
     _graph_case(device, rank, "one-shot")

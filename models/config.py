@@ -16,11 +16,9 @@ from models.layers.rotary import check_rope_scaling
 DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# Families whose q/k/v projections always carry biases (their configs do not say so).
+# Families whose q/k/v projections always carry biases (their configs do not say so) and
+# whose o_proj never has one; elsewhere attention_bias sets all four.
 _QKV_BIAS_ALWAYS = ("Qwen2ForCausalLM",)
-# Families whose o_proj has a bias when attention_bias is set (Qwen2's never has one).
-_O_BIAS_FOLLOWS_ATTENTION_BIAS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                                  "Qwen3MoeForCausalLM")
 
 
 def _as_int_list(value: object) -> list[int]:
@@ -83,7 +81,6 @@ class ModelConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False  # biases on q/k/v
     o_proj_bias: bool = False
-    sliding_window: int | None = None
     # Mixture of experts (Qwen3-MoE); num_experts 0 means dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -118,10 +115,6 @@ class ModelConfig:
         if self.hidden_act != "silu":
             raise ValueError(f"config hidden_act {self.hidden_act!r} is not supported; "
                              f"supported: silu")
-        if self.sliding_window is not None:
-            raise ValueError(f"config sliding_window={self.sliding_window} asks for "
-                             f"sliding-window attention, which is not supported; supported: "
-                             f"full attention (sliding_window null or use_sliding_window false)")
         check_rope_scaling(self.rope_scaling)
         if self.is_moe:
             self._check_moe()
@@ -157,10 +150,7 @@ class ModelConfig:
         cfg_path = model_dir / "config.json"
         if not cfg_path.is_file():
             raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
-        return cls.from_dict(json.loads(cfg_path.read_text()), model_dir)
-
-    @classmethod
-    def from_dict(cls, raw: dict, model_dir: Path | None = None) -> ModelConfig:
+        raw = json.loads(cfg_path.read_text())
         architectures = list(raw.get("architectures") or [])
         if len(architectures) != 1:
             raise ValueError(f"config architectures must name one architecture, got "
@@ -168,9 +158,14 @@ class ModelConfig:
         arch = architectures[0]
         if raw.get("mlp_bias"):
             raise ValueError("config mlp_bias=true is not supported; supported: false")
+        window = _sliding_window(raw)
+        if window is not None:
+            raise ValueError(f"config sliding_window={window} asks for sliding-window "
+                             f"attention, which is not supported; supported: full attention "
+                             f"(sliding_window null or use_sliding_window false)")
         eos = _as_int_list(raw.get("eos_token_id"))
-        gen_path = model_dir / "generation_config.json" if model_dir is not None else None
-        if gen_path is not None and gen_path.is_file():
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
             gen_eos = _as_int_list(json.loads(gen_path.read_text()).get("eos_token_id"))
             eos += [t for t in gen_eos if t not in eos]
         heads = int(raw["num_attention_heads"])
@@ -196,8 +191,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             hidden_act=str(raw.get("hidden_act", "silu")),
             attention_bias=attention_bias or arch in _QKV_BIAS_ALWAYS,
-            o_proj_bias=attention_bias and arch in _O_BIAS_FOLLOWS_ATTENTION_BIAS,
-            sliding_window=_sliding_window(raw),
+            o_proj_bias=attention_bias and arch not in _QKV_BIAS_ALWAYS,
             num_experts=num_experts if arch == "Qwen3MoeForCausalLM" else 0,
             num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),

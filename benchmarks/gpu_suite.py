@@ -4,7 +4,9 @@ Stages: tests (tests/gpu), offline (nano-vllm bench workload, Qwen3-0.6B shape, 
 weights), single (one request, 512-token prompt, 512 new tokens, median of 3), serve (the
 same workload as concurrent streams against one engine process), profile (host and kernel
 profile of batch-256 and batch-1 decode steps), tp (Qwen3-8B shape single request at
-TP=1/2/4 where GPUs allow; with --tp-throughput also the workload). Logs go to $OUT (or
+TP=1/2/4 where GPUs allow; with --tp-throughput also the workload), families (Llama-3.2-1B
+and Qwen3-30B-A3B shapes, single request and workload, and the MoE workload under the
+profiler). Logs go to $OUT (or
 ./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to redirect); a table is
 printed last.
 """
@@ -145,8 +147,28 @@ def stage_tp(args) -> None:
                          _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"), ""))
 
 
+def stage_families(args) -> None:
+    """Llama-3.2-1B and Qwen3-30B-A3B shapes: single request and the workload; the MoE
+    workload once more under the profiler, for the fused MoE kernels' share of device time."""
+    for model in ("llama-3.2-1b", "qwen3-30b-a3b"):
+        extra = ("--model", model, "--max-model-len", "4096")
+        text = sh(f"{model}_single", nanoserve("bench", "offline", *extra, "--single",
+                                               "--max-input-len", "512", "--max-output-len",
+                                               "512", "--repeats", "3"), timeout=420)
+        ROWS.append((f"{model} single decode", _found(_decode_rate(text), "tok/s"), ""))
+        text = sh(f"{model}_offline", nanoserve("bench", "offline", *extra), timeout=540)
+        ROWS.append((f"{model} offline",
+                     _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"), ""))
+    text = sh("moe_profile", nanoserve("bench", "offline", "--model", "qwen3-30b-a3b",
+                                       "--max-model-len", "4096", "--profile"), timeout=540)
+    ROWS.append(("qwen3-30b-a3b: fused MoE share of kernel time",
+                 _found(re.search(r"fused MoE\s+[\d.]+ s\s+([\d.]+)%", text), "%"),
+                 "moe_profile.log"))
+
+
 STAGES = {"tests": stage_tests, "offline": stage_offline, "single": stage_single,
-          "serve": stage_serve, "profile": stage_profile, "tp": stage_tp}
+          "serve": stage_serve, "profile": stage_profile, "tp": stage_tp,
+          "families": stage_families}
 
 
 def main() -> int:

@@ -84,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
 # Kernel name fragments -> group, first match wins (Triton kernels keep their function
 # names; cuBLAS GEMMs carry "gemm"/"gemv" or the CUTLASS "sm90_xmma" family names).
 _KERNEL_GROUPS = (
+    ("fused MoE", ("_gate_up_kernel", "_down_kernel", "_align_kernel", "_count_kernel",
+                   "_sum_kernel", "_topk_kernel")),
     ("attention", ("_paged_attention", "flash")),
     ("kv store / rope", ("store_kv", "rope_store")),
     ("gemm / gemv", ("gemm", "gemv", "xmma", "cutlass", "sm90", "matmul")),

@@ -1,6 +1,6 @@
 """The engine on a GPU: float32 tokens identical to transformers on the tiny model, CUDA
-graphs identical to eager, and the Qwen3-0.6B shape in bf16 teacher-forced against
-transformers on the same random weights."""
+graphs identical to eager, and every family in bf16 teacher-forced against transformers on
+the same random weights."""
 
 from __future__ import annotations
 
@@ -88,18 +88,42 @@ def test_async_scheduling_equals_synchronous_on_the_device(tiny_model_dir):
     assert results[0] == results[1]
 
 
-@pytest.fixture(scope="module")
-def qwen3_06b_dir(tmp_path_factory):
-    """Qwen3-0.6B shape with transformers' own random init (std 0.02), saved in bf16."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# One shape per family for the bf16 check: the benchmark presets where transformers can
+# build them quickly, smaller stand-ins for Mistral, Qwen2 and the MoE (Qwen3-30B-A3B's
+# 30B random parameters would take minutes to initialise on the host).
+_SMALL = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+              num_key_value_heads=4, intermediate_size=3072, rms_norm_eps=1e-6,
+              max_position_embeddings=4096, hidden_act="silu", torch_dtype="bfloat16")
+FAMILY_CONFIGS = {
+    "qwen3": "qwen3-0.6b",
+    "llama": "llama-3.2-1b",
+    "mistral": dict(_SMALL, architectures=["MistralForCausalLM"], model_type="mistral",
+                    vocab_size=32768, head_dim=128, rope_theta=1e6, sliding_window=None,
+                    tie_word_embeddings=False),
+    "qwen2": dict(_SMALL, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                  vocab_size=151936, rope_theta=1e6, use_sliding_window=False,
+                  tie_word_embeddings=True),
+    "qwen3_moe": dict(_SMALL, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      vocab_size=151936, head_dim=128, rope_theta=1e6, num_experts=64,
+                      num_experts_per_tok=8, moe_intermediate_size=256, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
+def family_dir(request, tmp_path_factory):
+    """A family's shape with transformers' own random init (std 0.02), saved in bf16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from benchmarks.model_configs import PRESETS
 
-    out = tmp_path_factory.mktemp("qwen3-0.6b")
-    cfg = {k: v for k, v in PRESETS["qwen3-0.6b"].items()
-           if k not in ("architectures", "model_type")}
+    cfg = FAMILY_CONFIGS[request.param]
+    cfg = PRESETS[cfg] if isinstance(cfg, str) else cfg
+    out = tmp_path_factory.mktemp(request.param)
+    (out / "config.json").write_text(json.dumps(cfg))
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**cfg)).to(torch.bfloat16).save_pretrained(out)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    model.to(torch.bfloat16).save_pretrained(out)
     return out
 
 
@@ -139,10 +163,10 @@ def _argmax_agreement(what: str, mine: torch.Tensor, ref16: list, ref32: list
     return rate, floor, decided
 
 
-def test_qwen3_06b_bf16_teacher_forced_argmax_agreement(qwen3_06b_dir):
+def test_bf16_teacher_forced_argmax_agreement(family_dir):
     prompts = _prompts(32, 10000, seed=11, lo=64, hi=256)
-    ref16, ref32 = _hf_logits(qwen3_06b_dir, prompts)
-    llm = LLM(str(qwen3_06b_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
+    ref16, ref32 = _hf_logits(family_dir, prompts)
+    llm = LLM(str(family_dir), device="cuda", dtype="bfloat16", num_kv_blocks=2048,
               max_model_len=1024, enforce_eager=True)
     runner, bm = llm.engine.model_runner, llm.engine.block_manager
     ours = []

@@ -279,9 +279,11 @@ class ModelRunner:
         return max(0, int(budget))
 
     # (query lens, context lens) of the warm-up batches: short and long chunks, with and
-    # without cached context, one and many rows, decode rows mixed with a prefill chunk.
+    # without cached context, one and many rows, decode rows mixed with a prefill chunk;
+    # their token counts reach every launch configuration of the fused MoE's table.
     _WARM_UP_BATCHES = (([5], [5]), ([12], [600]), ([200], [200]), ([300], [1100]),
-                        ([100] * 64, [100] * 64), ([1] * 8 + [100], [700] * 8 + [100]))
+                        ([1024], [1024]), ([100] * 64, [100] * 64),
+                        ([1] * 8 + [100], [700] * 8 + [100]))
 
     @torch.inference_mode()
     def _warm_up(self) -> None:

@@ -313,7 +313,7 @@ def _fused_moe_cases() -> list[Any]:
             pointers={**_ptrs("i64", "topk_ids_ptr"),
                       **_ptrs("i32", "counts_ptr", "sorted_slots_ptr", "block_experts_ptr")},
             constexprs=dict(NUM_LOCAL=128, BINS=256, BLOCK_M=16, CHUNK=chunk,
-                            CHUNKS_PAD=64 if counted else 1, COUNTED=counted, BLOCKS=16),
+                            CHUNKS_PAD=64, COUNTED=counted, BLOCKS=16),
             num_warps=8 if counted else 4, ints=dict(num_slots=8, first_expert=0,
                                                      max_blocks=8)))
     cases.append(Case(

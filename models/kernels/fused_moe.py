@@ -82,7 +82,7 @@ def max_sorted_slots(num_tokens: int, top_k: int, num_local_experts: int, block_
     return triton.cdiv(bound, block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -143,7 +143,7 @@ def _local_expert(topk_ids_ptr, slots, num_slots, first_expert, NUM_LOCAL: tl.co
     return tl.where(in_range & (expert >= 0) & (expert < NUM_LOCAL), expert, NUM_LOCAL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "first_expert"])
 def _count_kernel(topk_ids_ptr, counts_ptr, num_slots, first_expert,
                   NUM_LOCAL: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
     # counts [num_chunks, BINS]: slots of each local expert in each chunk of CHUNK slots
@@ -153,7 +153,7 @@ def _count_kernel(topk_ids_ptr, counts_ptr, num_slots, first_expert,
     tl.store(counts_ptr + chunk * BINS + tl.arange(0, BINS), tl.histogram(experts, BINS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "first_expert", "max_blocks"])
 def _align_kernel(
     topk_ids_ptr, counts_ptr, sorted_slots_ptr, block_experts_ptr,
     num_slots, first_expert, max_blocks,
@@ -204,8 +204,12 @@ def _align_kernel(
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < max_blocks)
 
 
-# Slots per program of the alignment: one program up to this many (decode: one launch),
-# else a counting launch first; at most MAX_CHUNKS chunks (their counts fit one program).
+# Slots per program of the alignment: one program up to _ALIGN_CHUNK slots (decode: one
+# launch), else a counting launch first; at most _ALIGN_MAX_CHUNKS chunks (their counts fit
+# one program). The chunk is one of few fixed sizes, and the count of chunks is padded to
+# the maximum, so that a run of changing batch sizes compiles the kernel a handful of times,
+# never in the middle of serving once the warm-up has passed.
+_ALIGN_SMALL_CHUNK = 256
 _ALIGN_CHUNK = 1024
 _ALIGN_MAX_CHUNKS = 64
 
@@ -226,10 +230,14 @@ def moe_align(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,
     block_experts = torch.empty(size // block_m, dtype=torch.int32, device=device)
     bins = triton.next_power_of_2(num_local_experts + 1)  # + the bin of other ranks' slots
     max_chunk = max_chunk or _ALIGN_CHUNK
-    chunk = max(16, triton.next_power_of_2(num_slots))
-    if chunk > max_chunk:
+    small = min(_ALIGN_SMALL_CHUNK, max_chunk)
+    if num_slots <= small:
+        chunk = small
+    elif num_slots <= max_chunk:
+        chunk = max_chunk
+    else:
         chunk = max(max_chunk, triton.next_power_of_2(triton.cdiv(num_slots,
-                                                                     _ALIGN_MAX_CHUNKS)))
+                                                                  _ALIGN_MAX_CHUNKS)))
     num_chunks = triton.cdiv(num_slots, chunk)
     counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=device)
     if num_chunks > 1:
@@ -240,7 +248,7 @@ def moe_align(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,
         topk_ids, counts, sorted_slots, block_experts,
         num_slots, first_expert, size // block_m,
         NUM_LOCAL=num_local_experts, BINS=bins, BLOCK_M=block_m, CHUNK=chunk,
-        CHUNKS_PAD=triton.next_power_of_2(num_chunks), COUNTED=num_chunks > 1,
+        CHUNKS_PAD=_ALIGN_MAX_CHUNKS, COUNTED=num_chunks > 1,
         BLOCKS=max(16, 4096 // bins), num_warps=8 if num_chunks > 1 else 4,
     )
     return sorted_slots, block_experts
@@ -270,7 +278,7 @@ def _block(block_experts_ptr, sorted_slots_ptr, num_slots, num_m_blocks, N,
     return expert, offs_m, slots, slots < num_slots, offs_n, offs_n < N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr,
     num_slots, num_m_blocks, N, K,
@@ -312,7 +320,7 @@ def _gate_up_kernel(
              h.to(h_ptr.dtype.element_ty), mask=cols[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
 def _down_kernel(
     h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_slots_ptr, block_experts_ptr,
     num_slots, num_m_blocks, N, K,
@@ -347,7 +355,7 @@ def _down_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_expert"])
 def _sum_kernel(
     y_ptr, topk_ids_ptr, out_ptr, first_expert, N, stride_ys, stride_ot,
     TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -17,10 +17,15 @@ trap cleanup EXIT INT TERM
 
 [ -f "$RUN_DIR/tiny/config.json" ] || "$BIN/nanoserve" tiny-model "$RUN_DIR/tiny"
 
+# Each engine's torch gets its share of the cores: pools sized to the whole host would
+# fight over every core and stall both engines under load. OMP_NUM_THREADS overrides.
+cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+share=$(( cores / ${#ENGINE_PORTS[@]} ))
+threads=${OMP_NUM_THREADS:-$(( share > 0 ? share : 1 ))}
 engines=()
 for port in "${ENGINE_PORTS[@]}"; do
-  "$BIN/nanoserve" engine --model "$RUN_DIR/tiny" --port "$port" --num-kv-blocks 1024 \
-    --max-model-len 1024 >"$RUN_DIR/engine-$port.log" 2>&1 &
+  OMP_NUM_THREADS=$threads "$BIN/nanoserve" engine --model "$RUN_DIR/tiny" --port "$port" \
+    --num-kv-blocks 1024 --max-model-len 1024 >"$RUN_DIR/engine-$port.log" 2>&1 &
   pids+=($!)
   engines+=(--engine "127.0.0.1:$port")
 done

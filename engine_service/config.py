@@ -14,6 +14,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
+def cpu_threads(ranks: int = 1) -> int:
+    """Torch threads for one of `ranks` processes sharing this process's cores:
+    OMP_NUM_THREADS when set, else an even share of the cores we may run on (the affinity
+    mask, which taskset, cgroups and containers narrow, not every core of the host)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // ranks)
+
+
 @dataclass
 class EngineConfig:
     model: str

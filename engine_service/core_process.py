@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from engine_service.block_manager import KvEvent
-from engine_service.config import EngineConfig
+from engine_service.config import EngineConfig, cpu_threads
 from engine_service.engine import RequestOutput
 from engine_service.sampling_params import SamplingParams
 
@@ -94,8 +94,14 @@ def run_core(config: EngineConfig, requests: Connection, outputs: Connection) ->
     logging.basicConfig(level=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
     try:
+        import torch
+
         from engine_service.engine import LLMEngine
 
+        # Several engines (or tensor-parallel ranks) may share the host: take our share of
+        # the cores, never all of them, or their thread pools fight over every core.
+        torch.set_num_threads(cpu_threads(config.tensor_parallel_size))
+        logger.info("torch threads: %d", torch.get_num_threads())
         engine = LLMEngine(config)
     except Exception:
         outputs.send(CoreFailed(traceback.format_exc()))

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -27,13 +28,15 @@ from engine_service.engine import RequestOutput, validate_prompt
 from engine_service.metrics import EngineMetrics
 from engine_service.proto_convert import (
     FINISH_REASONS,
+    Refused,
     add_chunk,
+    check_prompt_bytes,
     logprob_to_proto,
     prompt_ids_from_proto,
     sampling_params_from_proto,
     stop_reason_to_str,
 )
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import SamplingParams, check_field
 from engine_service.tokenizer import Tokenizer
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
@@ -41,6 +44,7 @@ from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 KV_EVENT_HISTORY = 4096  # batches kept for SubscribeKvEvents resumption
 TOKENIZER_PIECE_BYTES = 1 << 20
+DEADLINE_SLACK_S = 0.1  # a cancel this close to the deadline counts as the deadline
 
 
 @dataclass
@@ -174,37 +178,36 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
 
     # ------------------------------------------------------------ request intake
 
-    async def _abort_rpc(self, context, code: grpc.StatusCode, message: str):
+    def _refuse(self, code: grpc.StatusCode, message: str) -> NoReturn:
         self.metrics.requests.labels(outcome=code.name.lower()).inc()
-        await context.abort(code, message)
+        raise Refused(code, message)
 
-    async def _submit(self, request: pb.GenerateRequest, context) -> RequestState:
+    async def _submit(self, request: pb.GenerateRequest) -> RequestState:
         if self.core_error is not None:
-            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
-                                  "engine core is not running")
+            self._refuse(grpc.StatusCode.UNAVAILABLE, "engine core is not running")
         if not self.accepting:
-            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
-                                  "engine is draining and takes no new requests")
+            self._refuse(grpc.StatusCode.UNAVAILABLE,
+                         "engine is draining and takes no new requests")
         if not self.ready.is_set():
-            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
-                                  "engine is still loading the model")
+            self._refuse(grpc.StatusCode.UNAVAILABLE, "engine is still loading the model")
         rid = request.request_id or uuid.uuid4().hex
         try:
-            if rid in self.client_ids_in_flight:
-                raise ValueError(f"request_id must be unique among requests in flight, "
-                                 f"got duplicate {rid!r}")
             params = sampling_params_from_proto(request.sampling)
-            ids = prompt_ids_from_proto(request, self.tokenizer)
-            validate_prompt(ids, self.model_info["max_model_len"], self.model_info["vocab_size"])
             if params.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, which this engine lacks; "
                                  "use stop_token_ids")
+            check_prompt_bytes(request, self.model_info["max_model_len"])
+            # Tokenizing a long prompt takes a while: off the loop, so other streams flow.
+            ids = await asyncio.to_thread(self._prompt_ids, request)
+            # Checked after the await, right before registering: no duplicate slips between.
+            check_field(rid not in self.client_ids_in_flight, "request_id",
+                        "unique among requests in flight", rid)
         except ValueError as e:
-            await self._abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if len(self.registry) >= self.max_in_flight:
-            await self._abort_rpc(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"the engine's queue is full ({self.max_in_flight} requests "
-                                  f"in flight); retry later")
+            self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"the engine's queue is full ({self.max_in_flight} requests in "
+                         f"flight); retry later")
         detok = None if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens, params.stop)
         state = RequestState(rid, f"{next(self._core_ids):x}", params, len(ids), detok)
@@ -213,6 +216,21 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self.idle.clear()
         self._send(core.AddRequest(state.core_id, ids, params))
         return state
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        ids = prompt_ids_from_proto(request, self.tokenizer)
+        validate_prompt(ids, self.model_info["max_model_len"], self.model_info["vocab_size"])
+        return ids
+
+    def _count_cancelled(self, state: RequestState, context) -> None:
+        if state.done:  # it finished; only its last chunk's write was cut
+            return
+        # grpc cancels the handler both when the client goes away and when its deadline
+        # passes; only the time left tells them apart. The client's own deadline timer
+        # often fires first, so its cancel can beat ours by a few milliseconds.
+        left = context.time_remaining()
+        expired = left is not None and left < DEADLINE_SLACK_S
+        self.metrics.requests.labels(outcome="deadline_exceeded" if expired else "cancelled").inc()
 
     def _release(self, state: RequestState) -> None:
         if not state.done:  # cancelled, expired, or ended by a stop string: free its blocks
@@ -224,7 +242,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
 
     # ------------------------------------------------------------ chunks
 
-    async def _chunks(self, state: RequestState, context) -> AsyncIterator[pb.GenerateChunk]:
+    async def _chunks(self, state: RequestState) -> AsyncIterator[pb.GenerateChunk]:
         """One chunk per wake-up, holding every token that arrived since the last one."""
         while not state.done:
             items = [await state.queue.get()]
@@ -233,10 +251,10 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             chunk = pb.GenerateChunk(request_id=state.request_id, engine_id=self.engine_id)
             for item in items:
                 if isinstance(item, core.AddRejected):
-                    await self._abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, item.error)
+                    self._refuse(grpc.StatusCode.INVALID_ARGUMENT, item.error)
                 if isinstance(item, core.CoreFailed):
-                    await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
-                                          "engine core failed while serving the request")
+                    self._refuse(grpc.StatusCode.UNAVAILABLE,
+                                 "engine core failed while serving the request")
                 if self._apply_output(state, item, chunk):
                     break
             if chunk.token_ids or chunk.text or state.done:
@@ -286,24 +304,25 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     # ------------------------------------------------------------ Generation service
 
     async def Stream(self, request, context):
-        state = await self._submit(request, context)
+        state = await self._submit(request)
         try:
-            async for chunk in self._chunks(state, context):
+            async for chunk in self._chunks(state):
                 yield chunk
-        except asyncio.CancelledError:
-            self.metrics.requests.labels(outcome="cancelled").inc()
+        # GeneratorExit: cancelled while grpc was writing a chunk, outside this generator.
+        except (asyncio.CancelledError, GeneratorExit):
+            self._count_cancelled(state, context)
             raise
         finally:
             self._release(state)
 
     async def Generate(self, request, context):
-        state = await self._submit(request, context)
+        state = await self._submit(request)
         resp = pb.GenerateResponse(request_id=state.request_id, engine_id=self.engine_id)
         try:
-            async for chunk in self._chunks(state, context):
+            async for chunk in self._chunks(state):
                 add_chunk(resp, chunk)
         except asyncio.CancelledError:
-            self.metrics.requests.labels(outcome="cancelled").inc()
+            self._count_cancelled(state, context)
             raise
         finally:
             self._release(state)
@@ -312,7 +331,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     # ------------------------------------------------------------ Engine service
 
     async def GetModelInfo(self, request, context):
-        await self._wait_ready(context)
+        self._wait_ready()
         info = self.model_info
         return pb.ModelInfo(model_name=Path(self.model_dir).name, engine_id=self.engine_id,
                             architecture=info["architecture"],
@@ -331,7 +350,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                        accepting=self.accepting and self.core_error is None)
 
     async def SubscribeKvEvents(self, request, context):
-        await self._wait_ready(context)
+        self._wait_ready()
         queue: asyncio.Queue = asyncio.Queue()
         after = request.after_sequence_number
         oldest = self.kv_history[0].sequence_number if self.kv_history else self.kv_seq + 1
@@ -357,7 +376,6 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                 last = start + TOKENIZER_PIECE_BYTES >= len(data)
                 yield pb.TokenizerFile(name=name, content=piece, last=last)
 
-    async def _wait_ready(self, context) -> None:
+    def _wait_ready(self) -> None:
         if not self.ready.is_set():
-            await self._abort_rpc(context, grpc.StatusCode.UNAVAILABLE,
-                                  "engine is still loading the model")
+            self._refuse(grpc.StatusCode.UNAVAILABLE, "engine is still loading the model")

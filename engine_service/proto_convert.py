@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from engine_service.sampling_params import SamplingParams
+import contextlib
+import inspect
+import struct
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from engine_service.sampling_params import SamplingParams, check_field
 from nanoserve.v1 import nanoserve_pb2 as pb
 
 FINISH_REASONS = {
@@ -14,17 +21,48 @@ FINISH_REASONS = {
 _OPTIONAL_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
                     "skip_special_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+# A text prompt's bytes per token of max_model_len beyond which it cannot fit (real text
+# averages ~4 bytes a token).
+MAX_PROMPT_BYTES_PER_TOKEN = 32
+
+
+def float32_to_decimal(x: float) -> float:
+    """The shortest decimal that is the same float32: the value the client wrote (0.9 arrives
+    as 0.8999999761..., 4e-7 as 4.0000000467e-07), small values kept. 9 digits always do."""
+    for digits in range(1, 10):
+        y = float(f"{x:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", y))[0] == x:
+            return y
+    return x  # NaN, which validation refuses
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; values are checked there."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
-        if name in kwargs:  # proto floats are float32: 0.9 arrives as 0.8999999761...
-            kwargs[name] = round(kwargs[name], 6)
+    for name in _FLOAT_FIELDS:
+        if name in kwargs:
+            kwargs[name] = float32_to_decimal(kwargs[name])
     return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, **kwargs)
+
+
+def check_prompt_bytes(request: pb.GenerateRequest, max_model_len: int) -> None:
+    """ValueError when a text or chat prompt has more bytes than max_model_len tokens could
+    hold (MAX_PROMPT_BYTES_PER_TOKEN each): checked before tokenizing, so a huge text costs
+    no tokenizer time."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        size = len(request.text.encode("utf-8"))
+    elif kind == "messages":
+        size = sum(len(m.role.encode("utf-8")) + len(m.content.encode("utf-8"))
+                   for m in request.messages.messages)
+    else:
+        return
+    limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
+    check_field(size <= limit, kind, f"at most {limit} bytes ({MAX_PROMPT_BYTES_PER_TOKEN} "
+                f"per token of max_model_len {max_model_len})", f"{size} bytes")
 
 
 def prompt_ids_from_proto(request: pb.GenerateRequest, tokenizer) -> list[int]:
@@ -72,3 +110,57 @@ def logprob_to_proto(token_id: int, entry: tuple[float, list[int], list[float]]
 
 def stop_reason_to_str(stop_reason: str | int | None) -> str:
     return "" if stop_reason is None else str(stop_reason)
+
+
+class Refused(Exception):
+    """Ends an RPC with `code`; handlers raise it rather than await grpc's context.abort, which
+    keeps its exception on the call in a reference cycle with the handler's frames, so every
+    refused request (a 3 MB prompt, say) would stay in memory until a full garbage collection."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+def _parse(parse, raw: bytes):
+    try:
+        return parse(raw)
+    except DecodeError as e:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request could not be decoded: {e}") \
+            from None
+
+
+def _set_status(context, refused: Refused) -> None:
+    context.set_code(refused.code)
+    context.set_details(str(refused))
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Handlers of single requests get raw bytes, parsed here so that undecodable ones (bad
+    UTF-8 in a string field, say) get INVALID_ARGUMENT where grpc would answer UNKNOWN, and a
+    Refused they raise becomes the RPC's status. Every handler must be async."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        behavior = handler.unary_unary or handler.unary_stream
+        if inspect.isasyncgenfunction(behavior):
+            async def run(raw, context):
+                try:
+                    request = _parse(parse, raw)
+                    async with contextlib.aclosing(behavior(request, context)) as items:
+                        async for item in items:
+                            yield item
+                except Refused as e:
+                    _set_status(context, e)
+        else:  # a unary handler, or a stream one writing through context.write
+            async def run(raw, context):
+                try:
+                    return await behavior(_parse(parse, raw), context)
+                except Refused as e:
+                    _set_status(context, e)
+        make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary is not None
+                else grpc.unary_stream_rpc_method_handler)
+        return make(run, response_serializer=handler.response_serializer)

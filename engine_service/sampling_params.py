@@ -6,12 +6,24 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 1024  # each is looked up for every generated token
 MAX_LOGPROBS = 20
+MAX_QUOTE_CHARS = 80
+
+
+def quote(value: object) -> str:
+    """repr(value), cut to a short prefix plus its length: error messages travel in gRPC
+    metadata (16 KiB at most) and logs, so a huge value must never be echoed whole."""
+    text = repr(value)
+    if len(text) <= MAX_QUOTE_CHARS:
+        return text
+    size = f" (length {len(value)})" if hasattr(value, "__len__") else ""
+    return f"{text[:MAX_QUOTE_CHARS]}...{size}"
 
 
 def check_field(ok: bool, field_name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{field_name} must be {allowed}, got {quote(value)}")
 
 
 @dataclass
@@ -65,6 +77,9 @@ class SamplingParams:
         for s in self.stop:
             check_field(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_STRING_LEN, "stop",
                    f"strings of 1..{MAX_STOP_STRING_LEN} characters", s)
+        check_field(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                    f"a list of at most {MAX_STOP_TOKEN_IDS} ids",
+                    f"{len(self.stop_token_ids)} ids")
         for t in self.stop_token_ids:
             check_field(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative ints", t)
         check_field(self.logprobs is None or (isinstance(self.logprobs, int)

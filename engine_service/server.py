@@ -17,6 +17,7 @@ from engine_service import core_process as core
 from engine_service.config import EngineConfig
 from engine_service.frontend import Frontend
 from engine_service.metrics import EngineMetrics
+from engine_service.proto_convert import MAX_PROMPT_BYTES_PER_TOKEN, StatusInterceptor
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 
@@ -25,6 +26,8 @@ SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Generation"].full_name,
     pb.DESCRIPTOR.services_by_name["Engine"].full_name,
 )
+GRPC_DEFAULT_MAX_MESSAGE = 4 << 20
+REQUEST_FIELDS_ROOM = 1 << 20  # sampling parameters, chat roles, framing
 
 
 def start_core_process(config: EngineConfig):
@@ -44,7 +47,13 @@ def start_core_process(config: EngineConfig):
 async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | None,
                 metrics_port: int | None, drain_timeout: float) -> int:
     proc, req_send, out_recv = start_core_process(config)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # Room for the largest prompt we accept (refused with INVALID_ARGUMENT past its limit);
+    # grpc refuses anything larger before it is parsed.
+    max_message = max(GRPC_DEFAULT_MAX_MESSAGE,
+                      config.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN + REQUEST_FIELDS_ROOM)
+    server = grpc.aio.server(interceptors=[StatusInterceptor()],
+                             options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", max_message)])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"error: cannot listen on {host}:{port}")

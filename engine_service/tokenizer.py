@@ -130,7 +130,9 @@ class Tokenizer:
     # ---- text <-> ids -----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long text
+        # tokenized on a worker thread then leaves the event loop free.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Ids the tokenizer does not know (a model's padded vocab rows) decode to nothing, as in

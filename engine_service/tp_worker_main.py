@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from engine_service.config import EngineConfig
+from engine_service.config import EngineConfig, cpu_threads
 from engine_service.model_runner import ModelRunner, resolve_device
 from engine_service.tp_worker import (
     UP,
@@ -39,7 +39,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, control: Conne
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        torch.set_num_threads(cpu_threads(config.tensor_parallel_size))
     runner = None
     try:
         control.send_bytes(UP)

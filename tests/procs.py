@@ -74,3 +74,11 @@ def wait_blocks_free(client, timeout: float = 10):
                 or time.monotonic() > deadline:
             return load
         time.sleep(0.05)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid` (Linux /proc), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from engine_service.block_hash import HASH_SCHEME
 from engine_service.block_manager import BlockManager, KvEvent
 from engine_service.config import EngineConfig
-from engine_service.sampling_params import SamplingParams, check_field
+from engine_service.sampling_params import SamplingParams, validate_prompt
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence
 
@@ -56,19 +56,6 @@ class StepStats:
         self.wait_seconds += other.wait_seconds
         self.device_seconds += other.device_seconds
         self.num_steps += other.num_steps
-
-
-def validate_prompt(prompt_token_ids: SequenceT[int], max_model_len: int, vocab_size: int
-                    ) -> None:
-    """Raise ValueError naming the field and the allowed range; changes nothing."""
-    n = len(prompt_token_ids)
-    check_field(n >= 1, "prompt", "non-empty", "an empty prompt")
-    limit = max_model_len - 1
-    check_field(n <= limit, "prompt",
-                f"at most max_model_len - 1 = {limit} tokens (room for one output token)",
-                f"{n} tokens")
-    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    check_field(not bad, "prompt_token_ids", f"ids in [0, {vocab_size})", bad[:5])
 
 
 class LLMEngine:

@@ -24,7 +24,7 @@ import grpc
 
 from engine_service import core_process as core
 from engine_service.detokenizer import IncrementalDetokenizer
-from engine_service.engine import RequestOutput, validate_prompt
+from engine_service.engine import RequestOutput
 from engine_service.metrics import EngineMetrics
 from engine_service.proto_convert import (
     FINISH_REASONS,
@@ -36,7 +36,7 @@ from engine_service.proto_convert import (
     sampling_params_from_proto,
     stop_reason_to_str,
 )
-from engine_service.sampling_params import SamplingParams, check_field
+from engine_service.sampling_params import SamplingParams, check_field, validate_prompt
 from engine_service.tokenizer import Tokenizer
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
@@ -24,6 +25,23 @@ def quote(value: object) -> str:
 def check_field(ok: bool, field_name: str, allowed: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{field_name} must be {allowed}, got {quote(value)}")
+
+
+def check_prompt_len(num_tokens: int, max_model_len: int) -> None:
+    """ValueError unless a prompt of num_tokens leaves room for one output token."""
+    check_field(num_tokens >= 1, "prompt", "non-empty", "an empty prompt")
+    limit = max_model_len - 1
+    check_field(num_tokens <= limit, "prompt",
+                f"at most max_model_len - 1 = {limit} tokens (room for one output token)",
+                f"{num_tokens} tokens")
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int
+                    ) -> None:
+    """Raise ValueError naming the field and the allowed range; changes nothing."""
+    check_prompt_len(len(prompt_token_ids), max_model_len)
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    check_field(not bad, "prompt_token_ids", f"ids in [0, {vocab_size})", bad[:5])
 
 
 @dataclass

@@ -14,7 +14,10 @@ One `EngineClient` per engine address owns a channel and three background loops:
   * KV events (while the engine serves): SubscribeKvEvents into the PrefixIndex; a broken
     stream resumes after the last sequence number, a gap re-subscribes from 0 (snapshot).
 Passive detection: `record_failure` (transport / server-side errors only) takes the engine
-out of rotation for an exponential backoff; `record_success` resets it.
+out of rotation for an exponential backoff; `record_success` resets it. One crash fails
+every stream the engine held: a failure counts only when its request was sent after the
+last counted failure, so the streams of one crash count once. A health check that sees the
+engine serving again after it was down (restarted) also resets the backoff.
 """
 
 from __future__ import annotations
@@ -89,8 +92,10 @@ class EngineClient:
         # handle -> (tokens, when its first chunk arrived or None before that)
         self._pending: dict[int, tuple[int, float | None]] = {}
         self._handles = itertools.count()
-        self.failures = 0
+        self.failures = 0                         # consecutive counted failures
         self.down_until = 0.0
+        self._counted = 0                         # failures counted since start
+        self._sent_after: dict[int, int] = {}     # handle -> _counted when it was sent
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -141,6 +146,7 @@ class EngineClient:
     def begin_request(self, tokens: int) -> int:
         handle = next(self._handles)
         self._pending[handle] = (tokens, None)
+        self._sent_after[handle] = self._counted
         return handle
 
     def request_started(self, handle: int) -> None:
@@ -151,8 +157,15 @@ class EngineClient:
 
     def end_request(self, handle: int) -> None:
         self._pending.pop(handle, None)
+        self._sent_after.pop(handle, None)
 
-    def record_failure(self, code: grpc.StatusCode) -> None:
+    def record_failure(self, code: grpc.StatusCode, handle: int | None = None) -> None:
+        """Count a failure of the request `handle` (None: of no request in particular)."""
+        if handle is not None and self._sent_after.get(handle, self._counted) < self._counted:
+            log.debug("engine %s failed (%s) for a request sent before its last counted "
+                      "failure: the same outage, not counted again", self.key, code.name)
+            return
+        self._counted += 1
         self.failures += 1
         backoff = min(self.config.failure_backoff * 2 ** (self.failures - 1),
                       self.config.failure_backoff_max)
@@ -189,6 +202,9 @@ class EngineClient:
                 # figure would keep requests off it until the next poll.
                 self.reported_load = 0
                 log.info("engine %s (%s) is serving", self.key, self.engine_id)
+                # Back from an outage the health checks saw: the backoff that the outage's
+                # failures earned would only keep a working engine idle.
+                self.record_success()
         elif self.serving and not serving:
             log.warning("engine %s stopped serving", self.key)
         self.serving = serving
@@ -212,6 +228,8 @@ class EngineClient:
                             f"{HASH_SCHEME!r}")
         elif info.kv_block_size < 1:
             self.problem = "reports kv_block_size 0"
+        elif info.max_model_len < 2:  # no room for a prompt and one output token
+            self.problem = f"reports max_model_len {info.max_model_len}"
         if self.problem:
             log.error("engine %s not used: %s", self.key, self.problem)
         return True

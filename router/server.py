@@ -1,11 +1,16 @@
 """The router's Generation service: tokenize once, route, forward token ids, fail over.
 
 A request's life here:
-  1. check its shape (one prompt present); sampling values are the engines' to check —
-     their INVALID_ARGUMENT comes back to the client unchanged;
-  2. turn the prompt into token ids (text and chat messages with the engines' tokenizer);
-  3. score the routable engines (router.policy) and send the ids to the winner's Stream
-     (the unary Generate is served from the same stream, so it fails over the same way);
+  1. check it: decodable (proto_convert.StatusInterceptor), sampling values valid, its
+     request_id not already in flight through this router (held until the request ends,
+     however it ends); an engine's INVALID_ARGUMENT still comes back to the client
+     unchanged, never retried;
+  2. turn the prompt into token ids (text and chat messages with the engines' tokenizer, in
+     a thread), after a byte bound on the text (proto_convert.check_prompt_bytes); refuse
+     a prompt longer than every engine's max_model_len allows;
+  3. score the routable engines that can hold the prompt (router.policy) and send the ids
+     to the winner's Stream (the unary Generate is served from the same stream, so it
+     fails over the same way);
   4. forward every chunk as the engine wrote it (engine_id included);
   5. on a transport / server-side error: if no token reached the client yet, send the
      same request to another engine; otherwise continue on another engine from prompt +
@@ -22,6 +27,9 @@ rewritten to the client's view: prompt_tokens = the original prompt, completion_
 every token sent, cached_prompt_tokens as reported by the finishing engine (capped at the
 prompt). Greedy requests without presence/frequency penalties continue exactly as one
 engine would have.
+
+Every status the router ends an RPC with goes through router.errors.bounded (no message
+echoes a huge value), raised as proto_convert.Refused rather than by context.abort.
 """
 
 from __future__ import annotations
@@ -32,8 +40,9 @@ import itertools
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,27 +50,35 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_service.block_hash import hash_prompt_blocks
 from engine_service.proto_convert import (
+    Refused,
+    StatusInterceptor,
     add_chunk,
+    check_prompt_bytes,
     prompt_ids_from_proto,
     sampling_params_from_proto,
 )
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import SamplingParams, check_field, check_prompt_len, quote
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.engine_pool import EngineClient, EnginePool, Resolver, resolve_dns
+from router.errors import bounded
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Decision, choose
 from router.prefix_index import PrefixIndex
 from router.tokenizer_source import TokenizerSource, TokenizerUnavailable
 
+if TYPE_CHECKING:  # loaded on first use (router.tokenizer_source)
+    from engine_service.tokenizer import Tokenizer
+
 log = logging.getLogger("nanoserve.router")
 
 Code = grpc.StatusCode
-# Worth another engine: the engine broke, is overloaded or went away.
-RETRYABLE = frozenset({Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN, Code.DATA_LOSS,
-                       Code.CANCELLED, Code.UNIMPLEMENTED, Code.ABORTED,
-                       Code.RESOURCE_EXHAUSTED})
+# Worth another engine: the engine broke, is overloaded or went away. UNKNOWN is not:
+# it is what an engine's handler raising on this very request gives, so it goes to the
+# client as is (retrying would repeat it on every engine and bench them all).
+RETRYABLE = frozenset({Code.UNAVAILABLE, Code.INTERNAL, Code.DATA_LOSS, Code.CANCELLED,
+                       Code.UNIMPLEMENTED, Code.ABORTED, Code.RESOURCE_EXHAUSTED})
 # Counted against the engine's health (a full queue is not a fault).
 ENGINE_FAULTS = RETRYABLE - {Code.RESOURCE_EXHAUSTED, Code.ABORTED}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -76,13 +93,21 @@ class _Progress:
     owed_text: str = ""  # text held back by a failed engine, owed to the next chunk
 
 
-class _Abort(Exception):
-    """End the client's RPC with this status."""
+class _Abort(Refused):
+    """End the client's RPC with this status (its message bounded)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, bounded(message))
+
+
+def checked_prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None,
+                       max_model_len: int | None) -> list[int]:
+    """The prompt as token ids, no longer than the largest max_model_len (None: unknown)
+    allows; ValueError names what is wrong."""
+    ids = prompt_ids_from_proto(request, tokenizer)
+    if max_model_len is not None:
+        check_prompt_len(len(ids), max_model_len)
+    return ids
 
 
 def continuation_request(original: pb.GenerateRequest, request_id: str, prompt_ids: list[int],
@@ -123,28 +148,45 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.metrics = metrics
         self._rng = random.Random(config.seed)
         self._rr = itertools.count()
+        # client request_id -> the token of the request holding it
+        self.request_ids_in_flight: dict[str, object] = {}
 
     # ---- RPCs -------------------------------------------------------------------------
 
     async def Stream(self, request: pb.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         try:
-            async for chunk in self._run(request, context):
-                yield chunk
+            async with contextlib.aclosing(self._run(request, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except _Abort as e:
             self.metrics.errors.labels(e.code.name).inc()
-            await context.abort(e.code, e.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            self._count_gone(context)
+            raise
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
         try:
-            async for chunk in self._run(request, context):
-                add_chunk(response, chunk)
+            async with contextlib.aclosing(self._run(request, context)) as chunks:
+                async for chunk in chunks:
+                    add_chunk(response, chunk)
         except _Abort as e:
             self.metrics.errors.labels(e.code.name).inc()
-            await context.abort(e.code, e.message)
+            raise
+        except asyncio.CancelledError:
+            self._count_gone(context)
+            raise
         return response
+
+    def _count_gone(self, context: grpc.aio.ServicerContext) -> None:
+        """grpc cancels the handler when the client cancels and when its deadline passes."""
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        code = Code.DEADLINE_EXCEEDED if expired else Code.CANCELLED
+        self.metrics.errors.labels(code.name).inc()
 
     # ---- one request ------------------------------------------------------------------
 
@@ -154,7 +196,41 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling)
         except ValueError as e:
             raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
-        prompt_ids = await self._prompt_ids(request)
+        release = self._hold_request_id(request.request_id, context)
+        try:
+            prompt_ids = await self._prompt_ids(request)
+            chunks = self._attempts(request, params, prompt_ids, context)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            release()
+
+    def _hold_request_id(self, request_id: str,
+                         context: grpc.aio.ServicerContext) -> Callable[..., None]:
+        """Refuse a client's request_id that is in flight through this router, else hold it;
+        returns its release, which also runs when the RPC ends (a dropped handler)."""
+        if not request_id:
+            return lambda *_: None
+        try:  # the engines' check, in their words
+            check_field(request_id not in self.request_ids_in_flight, "request_id",
+                        "unique among requests in flight", request_id)
+        except ValueError as e:
+            raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
+        token = object()
+        self.request_ids_in_flight[request_id] = token
+
+        def release(*_: object) -> None:
+            if self.request_ids_in_flight.get(request_id) is token:
+                del self.request_ids_in_flight[request_id]
+
+        context.add_done_callback(release)
+        return release
+
+    async def _attempts(self, request: pb.GenerateRequest, params: SamplingParams,
+                        prompt_ids: list[int], context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[pb.GenerateChunk]:
+        """The request on one engine after another until one finishes it."""
         request_id = request.request_id or uuid.uuid4().hex
         max_tokens = params.max_tokens
         progress = _Progress()
@@ -180,8 +256,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 engine.record_success()
                 return
             except grpc.aio.AioRpcError as e:
-                errors.append(self._engine_failed(engine, e, params, request_id, progress,
-                                                  attempt))
+                errors.append(self._engine_failed(engine, handle, e, params, request_id,
+                                                  progress, attempt))
             finally:
                 engine.end_request(handle)
         if progress.sent_ids and len(progress.sent_ids) >= max_tokens:
@@ -210,16 +286,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             call.cancel()  # no-op when done; propagates client cancellation otherwise
 
-    def _engine_failed(self, engine: EngineClient, error: grpc.aio.AioRpcError,
+    def _engine_failed(self, engine: EngineClient, handle: int, error: grpc.aio.AioRpcError,
                        params: SamplingParams, request_id: str, progress: _Progress,
                        attempt: int) -> tuple[str, grpc.StatusCode, str]:
         """Classify an engine's error: pass it to the client (raises _Abort) or note it and
         let the caller try another engine."""
-        code, details = error.code(), error.details() or ""
+        code, details = error.code(), bounded(error.details() or "")
         if code not in RETRYABLE:
             raise _Abort(code, details)  # the engine's verdict, unchanged
         if code in ENGINE_FAULTS:
-            engine.record_failure(code)
+            engine.record_failure(code, handle)
         if progress.sent_ids:
             self.metrics.failovers.labels(engine.key).inc()
             if not progress.owed_text:
@@ -232,6 +308,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return engine.key, code, details
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt as token ids; INVALID_ARGUMENT when no engine's max_model_len holds it
+        (unchecked while no engine's model info is known)."""
+        max_model_len = max((e.info.max_model_len for e in self.pool.engines()
+                             if e.info is not None and e.problem is None), default=None)
+        try:  # a text too large for any engine costs no tokenizer time
+            if max_model_len is not None:
+                check_prompt_bytes(request, max_model_len)
+        except ValueError as e:
+            raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
         tokenizer = None
         kind = request.WhichOneof("prompt")
         if kind == "text" or (kind == "messages" and request.messages.messages):
@@ -240,13 +325,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except TokenizerUnavailable as e:
                 raise _Abort(Code.UNAVAILABLE, str(e)) from None
         try:  # tokenizing off the event loop: other streams keep flowing
-            return await asyncio.to_thread(prompt_ids_from_proto, request, tokenizer)
+            return await asyncio.to_thread(checked_prompt_ids, request, tokenizer,
+                                           max_model_len)
         except ValueError as e:
             raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
 
     def _route(self, request_id: str, token_ids: list[int], tried: set[str],
                max_tokens: int) -> tuple[EngineClient, int] | None:
-        engines = [e for e in self.pool.routable() if e.key not in tried]
+        engines = [e for e in self.pool.routable()
+                   if e.key not in tried and len(token_ids) < e.info.max_model_len]
         if not engines:
             return None
         hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
@@ -299,12 +386,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _unavailable(self, request_id: str,
                      errors: list[tuple[str, grpc.StatusCode, str]]) -> _Abort:
         if errors and all(code is Code.RESOURCE_EXHAUSTED for _, code, _ in errors):
-            return _Abort(Code.RESOURCE_EXHAUSTED,
-                          f"every engine tried is at capacity; retry later (request {request_id})")
+            return _Abort(Code.RESOURCE_EXHAUSTED, "every engine tried is at capacity; retry later "
+                                                   f"(request {quote(request_id)})")
         tried = "; ".join(f"{key}: {code.name} {details}".strip()
                           for key, code, details in errors)
         states = ", ".join(f"{e.key} ({e.state()})" for e in self.pool.engines()) or "none"
-        message = f"no healthy engine could take request {request_id}"
+        message = f"no healthy engine could take request {quote(request_id)}"
         if tried:
             message += f"; tried {tried}"
         return _Abort(Code.UNAVAILABLE, f"{message}; engines: {states}")
@@ -346,7 +433,7 @@ class Router:
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
         self.tokenizers.load_dir()
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[StatusInterceptor()])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -34,6 +34,10 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights from config.json alone")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests queued beyond max-num-seqs before RESOURCE_EXHAUSTED")
+    parser.add_argument("--core-watchdog-timeout", type=float, default=10.0,
+                        help="seconds the engine core may make no progress while requests "
+                        "are in flight before health turns NOT_SERVING and new requests get "
+                        "UNAVAILABLE (it turns SERVING again once the core makes progress)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -48,7 +52,8 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, load_format=args.load_format,
-        max_waiting_requests=args.max_waiting_requests, seed=args.seed)
+        max_waiting_requests=args.max_waiting_requests,
+        core_watchdog_timeout=args.core_watchdog_timeout, seed=args.seed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

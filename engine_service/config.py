@@ -43,6 +43,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     load_format: str = "auto"
     max_waiting_requests: int = 1024
+    # Seconds the core may send nothing while requests are in flight before the engine
+    # reports NOT_SERVING (a hung or stopped core process).
+    core_watchdog_timeout: float = 10.0
     seed: int = 0
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -77,6 +80,8 @@ class EngineConfig:
                     "in (0, 1]", self.gpu_memory_utilization)
         check_field(self.max_waiting_requests >= 1, "max_waiting_requests", ">= 1",
                     self.max_waiting_requests)
+        check_field(self.core_watchdog_timeout > 0, "core_watchdog_timeout", "> 0",
+                    self.core_watchdog_timeout)
         if self.num_kv_blocks is not None:
             # One sequence of max_model_len tokens must fit, or it could never finish.
             need = self.max_blocks_per_seq

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -26,6 +27,9 @@ from engine_service.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.5
+# A step with nothing to report (a prefill chunk) still sends this often: the frontend's
+# watchdog counts any message as progress and would otherwise take a long prefill for a hang.
+HEARTBEAT_SECONDS = 0.25
 
 
 @dataclass
@@ -120,6 +124,7 @@ def run_core(config: EngineConfig, requests: Connection, outputs: Connection) ->
 
 
 def _loop(engine, requests: Connection, outputs: Connection) -> None:
+    last_sent = time.monotonic()
     while True:
         engine.model_runner.check_alive()  # a dead tensor-parallel rank fails even when idle
         # Block only when there is nothing to step; otherwise just drain what arrived.
@@ -140,7 +145,11 @@ def _loop(engine, requests: Connection, outputs: Connection) -> None:
                     engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
                 except ValueError as e:
                     outputs.send(AddRejected(msg.request_id, str(e)))
-        step_outputs = engine.step() if engine.has_unfinished() else []
+        stepped = engine.has_unfinished()
+        step_outputs = engine.step() if stepped else []
         events = engine.take_kv_events()
-        if step_outputs or events or aborted or changed:
+        now = time.monotonic()
+        if step_outputs or events or aborted or changed or (
+                stepped and now - last_sent >= HEARTBEAT_SECONDS):
             outputs.send(StepOutputs(step_outputs, events, _load(engine), aborted))
+            last_sent = now

@@ -83,6 +83,11 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self.accepting = True
         self.stopping = False  # set once the server asked the core to shut down
         self.core_error: str | None = None
+        # Watchdog: when the core last sent anything, and the requests it still owes output
+        # (finished ones a slow client has yet to read are not owed: the core may idle).
+        self.last_core_message = time.monotonic()
+        self.owed: set[str] = set()
+        self.core_stalled = False  # the core has work but sent nothing for the timeout
         self.ready = asyncio.Event()
         self.core_gone = asyncio.Event()
         self.idle = asyncio.Event()
@@ -121,13 +126,17 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             self._on_core_message(core.CoreFailed("engine core process is gone"))
 
     def _on_core_message(self, msg) -> None:
+        self._core_progressed()
         if isinstance(msg, core.StepOutputs):
             self.load = msg.load
             self.metrics.observe_load(msg.load)
             for out in msg.outputs:
                 state = self.registry.get(out.request_id)
+                if out.finished:
+                    self.owed.discard(out.request_id)
                 if state is not None:
                     state.queue.put_nowait(out)
+            self.owed.difference_update(msg.aborted)
             for rid in msg.aborted:
                 state = self.registry.get(rid)
                 if state is not None:
@@ -142,6 +151,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                 self._publish_kv_event("stored", msg.cached_block_hashes)
             self.ready.set()
         elif isinstance(msg, core.AddRejected):
+            self.owed.discard(msg.request_id)
             state = self.registry.get(msg.request_id)
             if state is not None:
                 state.queue.put_nowait(msg)
@@ -152,6 +162,25 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             self.core_gone.set()
             for state in self.registry.values():
                 state.queue.put_nowait(msg)
+
+    def _core_progressed(self) -> None:
+        now = time.monotonic()
+        if self.core_stalled:
+            logger.warning("engine core made progress again after %.1f s; serving resumes",
+                           now - self.last_core_message)
+            self.core_stalled = False
+        self.last_core_message = now
+
+    def check_core_progress(self, timeout: float) -> bool:
+        """The watchdog's tick: mark the core stalled when it owes output but sent nothing
+        for `timeout` seconds; True while it is stalled."""
+        silent = time.monotonic() - self.last_core_message
+        if not self.core_stalled and self.owed and silent >= timeout \
+                and self.core_error is None:
+            self.core_stalled = True
+            logger.error("engine core has made no progress for %.1f s with %d requests in "
+                         "flight; reporting NOT_SERVING until it does", silent, len(self.owed))
+        return self.core_stalled
 
     # ------------------------------------------------------------ KV events
 
@@ -185,6 +214,10 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     async def _submit(self, request: pb.GenerateRequest) -> RequestState:
         if self.core_error is not None:
             self._refuse(grpc.StatusCode.UNAVAILABLE, "engine core is not running")
+        if self.core_stalled:
+            silent = time.monotonic() - self.last_core_message
+            self._refuse(grpc.StatusCode.UNAVAILABLE,
+                         f"engine core has made no progress for {silent:.0f} s")
         if not self.accepting:
             self._refuse(grpc.StatusCode.UNAVAILABLE,
                          "engine is draining and takes no new requests")
@@ -211,6 +244,9 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         detok = None if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens, params.stop)
         state = RequestState(rid, f"{next(self._core_ids):x}", params, len(ids), detok)
+        if not self.owed:  # the core was idle, so its silence until now was no stall
+            self.last_core_message = time.monotonic()
+        self.owed.add(state.core_id)
         self.registry[state.core_id] = state
         self.client_ids_in_flight.add(rid)
         self.idle.clear()
@@ -235,6 +271,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     def _release(self, state: RequestState) -> None:
         if not state.done:  # cancelled, expired, or ended by a stop string: free its blocks
             self._send(core.AbortRequest(state.core_id))
+        self.owed.discard(state.core_id)
         if self.registry.pop(state.core_id, None) is not None:
             self.client_ids_in_flight.discard(state.request_id)
         if not self.registry:
@@ -347,7 +384,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         return pb.Load(num_running=ld.num_running, num_waiting=ld.num_waiting,
                        kv_blocks_used=ld.kv_blocks_used, kv_blocks_total=ld.kv_blocks_total,
                        tokens_in_flight=ld.tokens_in_flight,
-                       accepting=self.accepting and self.core_error is None)
+                       accepting=(self.accepting and self.core_error is None
+                                  and not self.core_stalled))
 
     async def SubscribeKvEvents(self, request, context):
         self._wait_ready()

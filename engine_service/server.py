@@ -86,6 +86,19 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    async def watch_core() -> None:
+        """NOT_SERVING while the core owes output but sends nothing (hung or stopped),
+        SERVING again once it does; a cheap poll, so the loop stays free."""
+        stalled = False
+        tick = min(1.0, config.core_watchdog_timeout / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now_stalled = frontend.check_core_progress(config.core_watchdog_timeout)
+            if now_stalled != stalled:
+                stalled = now_stalled
+                await set_health(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
+                                 else health_pb2.HealthCheckResponse.SERVING)
+
     ready = asyncio.create_task(frontend.ready.wait())
     gone = asyncio.create_task(frontend.core_gone.wait())
     stopping = asyncio.create_task(stop.wait())
@@ -93,7 +106,11 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
     if frontend.ready.is_set() and not frontend.core_gone.is_set():
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         print("nanoserve engine ready", flush=True)
+        watchdog = asyncio.create_task(watch_core())
         await asyncio.wait({gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        watchdog.cancel()  # draining or the core died: health stays NOT_SERVING from here
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
 
     exit_code = 0
     if frontend.core_gone.is_set():

@@ -3,7 +3,7 @@ of this package (block hashing, sampling parameters, the CLI) import without tor
 
 from typing import TYPE_CHECKING
 
-from engine_service.sampling_params import SamplingParams
+from engine_service.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_service.llm import LLM

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from engine_service.block_hash import hash_block
+from engine_service.common.block_hash import hash_block
 from engine_service.sequence import Sequence
 
 EVENT_KINDS = ("stored", "removed")

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from engine_service.sampling_params import check_field
+from engine_service.common.sampling_params import check_field
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DEVICES = ("auto", "cpu", "cuda")

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from engine_service.block_manager import KvEvent
+from engine_service.common.sampling_params import SamplingParams
 from engine_service.config import EngineConfig, cpu_threads
 from engine_service.engine import RequestOutput
-from engine_service.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.5

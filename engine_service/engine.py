@@ -11,10 +11,10 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_service.block_hash import HASH_SCHEME
 from engine_service.block_manager import BlockManager, KvEvent
+from engine_service.common.block_hash import HASH_SCHEME
+from engine_service.common.sampling_params import SamplingParams, validate_prompt
 from engine_service.config import EngineConfig
-from engine_service.sampling_params import SamplingParams, validate_prompt
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence
 

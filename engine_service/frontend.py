@@ -23,10 +23,8 @@ from typing import NoReturn
 import grpc
 
 from engine_service import core_process as core
-from engine_service.detokenizer import IncrementalDetokenizer
-from engine_service.engine import RequestOutput
-from engine_service.metrics import EngineMetrics
-from engine_service.proto_convert import (
+from engine_service.common.detokenizer import IncrementalDetokenizer
+from engine_service.common.proto_convert import (
     FINISH_REASONS,
     Refused,
     add_chunk,
@@ -36,8 +34,10 @@ from engine_service.proto_convert import (
     sampling_params_from_proto,
     stop_reason_to_str,
 )
-from engine_service.sampling_params import SamplingParams, check_field, validate_prompt
-from engine_service.tokenizer import Tokenizer
+from engine_service.common.sampling_params import SamplingParams, check_field, validate_prompt
+from engine_service.common.tokenizer import Tokenizer
+from engine_service.engine import RequestOutput
+from engine_service.metrics import EngineMetrics
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from engine_service.common.detokenizer import IncrementalDetokenizer
+from engine_service.common.sampling_params import SamplingParams
+from engine_service.common.tokenizer import Tokenizer
 from engine_service.config import EngineConfig
-from engine_service.detokenizer import IncrementalDetokenizer
 from engine_service.engine import LLMEngine
-from engine_service.sampling_params import SamplingParams
-from engine_service.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

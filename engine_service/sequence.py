@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from enum import Enum, auto
 
-from engine_service.sampling_params import SamplingParams
+from engine_service.common.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

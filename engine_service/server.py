@@ -14,10 +14,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_service import core_process as core
+from engine_service.common.proto_convert import MAX_PROMPT_BYTES_PER_TOKEN, StatusInterceptor
 from engine_service.config import EngineConfig
 from engine_service.frontend import Frontend
 from engine_service.metrics import EngineMetrics
-from engine_service.proto_convert import MAX_PROMPT_BYTES_PER_TOKEN, StatusInterceptor
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 

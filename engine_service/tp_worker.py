@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from engine_service.sampling_params import SamplingParams
+from engine_service.common.sampling_params import SamplingParams
 from engine_service.scheduler import ScheduledSeq
 from models.layers.sampler import effective_temperature
 from models.parallel import disable_nvlink_multicast

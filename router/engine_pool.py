@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_service.block_hash import HASH_SCHEME
+from engine_service.common.block_hash import HASH_SCHEME
 from nanoserve.v1 import nanoserve_pb2, nanoserve_pb2_grpc
 from router.config import RouterConfig, split_host_port
 from router.metrics import RouterMetrics

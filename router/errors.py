@@ -1,6 +1,6 @@
 """Messages forwarded into a gRPC status stay small: a status travels in metadata (16 KiB
 at most), so a message that echoes a huge value would break the call itself. Values the
-router quotes itself go through engine_service.sampling_params.quote, and so do the engines';
+router quotes itself go through engine_service.common.sampling_params.quote, and so do the engines';
 this caps whatever else reaches a status (a message from elsewhere, an exception's text)."""
 
 from __future__ import annotations

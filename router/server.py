@@ -48,8 +48,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine_service.block_hash import hash_prompt_blocks
-from engine_service.proto_convert import (
+from engine_service.common.block_hash import hash_prompt_blocks
+from engine_service.common.proto_convert import (
     Refused,
     StatusInterceptor,
     add_chunk,
@@ -57,7 +57,12 @@ from engine_service.proto_convert import (
     prompt_ids_from_proto,
     sampling_params_from_proto,
 )
-from engine_service.sampling_params import SamplingParams, check_field, check_prompt_len, quote
+from engine_service.common.sampling_params import (
+    SamplingParams,
+    check_field,
+    check_prompt_len,
+    quote,
+)
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from router.config import RouterConfig
@@ -69,7 +74,7 @@ from router.prefix_index import PrefixIndex
 from router.tokenizer_source import TokenizerSource, TokenizerUnavailable
 
 if TYPE_CHECKING:  # loaded on first use (router.tokenizer_source)
-    from engine_service.tokenizer import Tokenizer
+    from engine_service.common.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.router")
 

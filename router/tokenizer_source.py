@@ -1,6 +1,6 @@
 """The router's tokenizer: from --tokenizer DIR, or fetched once from an engine.
 
-engine_service.tokenizer is torch-free; it is imported on first use so that a router that
+engine_service.common.tokenizer is torch-free; it is imported on first use so that a router that
 only ever sees token-id prompts never loads it.
 """
 
@@ -15,7 +15,7 @@ import grpc
 from nanoserve.v1 import nanoserve_pb2
 
 if TYPE_CHECKING:
-    from engine_service.tokenizer import Tokenizer
+    from engine_service.common.tokenizer import Tokenizer
     from router.engine_pool import EnginePool
 
 log = logging.getLogger("nanoserve.router")
@@ -48,7 +48,7 @@ class TokenizerSource:
     def load_dir(self) -> None:
         """Load --tokenizer DIR now (at startup, so a bad directory fails early)."""
         if self._dir is not None and self._tokenizer is None:
-            from engine_service.tokenizer import Tokenizer
+            from engine_service.common.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_dir(self._dir)
 
@@ -65,7 +65,7 @@ class TokenizerSource:
         return self._tokenizer
 
     async def _fetch(self, pool: EnginePool) -> Tokenizer:
-        from engine_service.tokenizer import Tokenizer
+        from engine_service.common.tokenizer import Tokenizer
 
         errors = []
         for engine in pool.routable() or pool.engines():

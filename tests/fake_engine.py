@@ -17,7 +17,7 @@ engine, with tokens that plain arithmetic predicts:
   a `stop_token_ids` hit (stop_reason = str(id)) or on `eos_token_id` unless ignore_eos
   (stop_reason ""), both only after min_tokens; "length" at max_tokens (default 16).
 - `tokens_per_chunk` tokens per chunk; the last chunk carries finish_reason and usage.
-- Prefix cache: the prompt's full blocks are hashed with engine_service.block_hash (as the
+- Prefix cache: the prompt's full blocks are hashed with engine_service.common.block_hash (as the
   real engine does); cached_prompt_tokens = leading blocks already held x kv_block_size,
   capped at prompt length - 1; new blocks are stored at admission (KV "stored" events)
   and the least recently used ones evicted past `num_kv_blocks` ("removed" events).
@@ -54,7 +54,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine_service.block_hash import HASH_SCHEME, hash_prompt_blocks
+from engine_service.common.block_hash import HASH_SCHEME, hash_prompt_blocks
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 

@@ -10,9 +10,9 @@ import pytest
 import xxhash
 
 from engine_service import block_manager as bm_module
-from engine_service.block_hash import hash_prompt_blocks
 from engine_service.block_manager import BlockManager, KvEvent
-from engine_service.sampling_params import SamplingParams
+from engine_service.common.block_hash import hash_prompt_blocks
+from engine_service.common.sampling_params import SamplingParams
 from engine_service.sequence import Sequence
 
 _ids = iter(range(10**9))

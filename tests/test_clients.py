@@ -27,7 +27,7 @@ from clients import (
     build_request,
 )
 from clients import cli as nanoserve_cli
-from engine_service.block_hash import hash_prompt_blocks
+from engine_service.common.block_hash import hash_prompt_blocks
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from tests.fake_engine import FakeBehavior, FakeEngine, render_chat, start_fake_engine

@@ -15,8 +15,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from engine_service.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from engine_service.tokenizer import TOKENIZER_FILES, Tokenizer
+from engine_service.common.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from engine_service.common.tokenizer import TOKENIZER_FILES, Tokenizer
 
 MULTIBYTE = "héllo wörld 你好 🙂"
 TEXTS = [
@@ -330,7 +330,7 @@ def test_tokenizer_module_does_not_need_transformers_or_torch():
 
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-        "import engine_service.tokenizer, engine_service.detokenizer\n"
+        "import engine_service.common.tokenizer, engine_service.common.detokenizer\n"
     )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

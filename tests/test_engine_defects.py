@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from benchmarks.procs import ServerProc
-from engine_service.proto_convert import sampling_params_from_proto
+from engine_service.common.proto_convert import sampling_params_from_proto
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from tests.procs import rss_bytes, start_engine
@@ -116,7 +116,7 @@ def test_engine_core_sizes_torch_threads_to_its_cores(tiny_model_dir):
 def test_tokenizer_encode_lets_other_threads_run(tiny_model_dir):
     """Encoding a 3 MB text (seconds of work) must release the GIL, or tokenizing it on a
     worker thread still freezes the event loop."""
-    from engine_service.tokenizer import Tokenizer
+    from engine_service.common.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     assert tok.encode("hello world") == tok._backend.encode("hello world").ids
@@ -166,7 +166,7 @@ def test_huge_text_prompt_is_refused_before_tokenizing_and_streams_keep_flowing(
 
 
 def test_prompt_byte_limit_names_field_and_limit():
-    from engine_service.proto_convert import check_prompt_bytes
+    from engine_service.common.proto_convert import check_prompt_bytes
 
     limit = 512 * 32
     check_prompt_bytes(pb.GenerateRequest(text="a" * limit), 512)
@@ -197,7 +197,7 @@ def test_rejected_huge_prompts_do_not_pile_up_memory(engine, stub):
 
 
 def test_check_field_quotes_a_short_prefix():
-    from engine_service.sampling_params import check_field
+    from engine_service.common.sampling_params import check_field
 
     with pytest.raises(ValueError) as err:
         check_field(False, "stop", "strings of 1..256 characters", "x" * 20_000)

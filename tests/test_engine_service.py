@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients import Client
 from clients.errors import InvalidArgument, NanoserveError, ResourceExhausted
 from engine_service import LLM, SamplingParams
-from engine_service.block_hash import hash_prompt_blocks
+from engine_service.common.block_hash import hash_prompt_blocks
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from tests.helpers import random_prompts

@@ -20,7 +20,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from clients.client import build_request
-from engine_service.sampling_params import quote
+from engine_service.common.sampling_params import quote
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from router.config import RouterConfig

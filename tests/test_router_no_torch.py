@@ -62,8 +62,13 @@ def test_router_imports_and_help_without_torch():
     result = run_python("""
         import router, router.cli, router.config, router.engine_pool, router.metrics
         import router.policy, router.prefix_index, router.server, router.tokenizer_source
-        import engine_service.tokenizer  # what the router loads for text prompts
+        import engine_service.common.tokenizer  # what the router loads for text prompts
         assert not any(m.split(".")[0] in BLOCKED for m in sys.modules)
+        # Of engine_service, the router imports only the torch-free `common` subpackage.
+        shared = {m for m in sys.modules if m.startswith("engine_service")}
+        outside = shared - {"engine_service"} - {m for m in shared
+                                                 if m.startswith("engine_service.common")}
+        assert not outside, outside
         from clients.cli import main
         try:
             code = main(["router", "--help"])

@@ -171,7 +171,7 @@ def _main() -> None:
     def check_sampler():
         # The Sampler's kernel draw on masked batches (top-k / top-p / min-p mixed with greedy
         # rows that carry masks of their own) against its torch path on the same logits.
-        from engine_service.sampling_params import SamplingParams
+        from engine_service.common.sampling_params import SamplingParams
         from models.layers.sampler import Sampler, SamplingTensors
 
         kinds = [dict(temperature=0.0, top_k=3, min_p=0.5), dict(temperature=0.7, top_k=5),

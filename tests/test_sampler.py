@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_service.sampling_params import SamplingParams
+from engine_service.common.sampling_params import SamplingParams
 from models.layers.sampler import (
     Sampler,
     SamplingTensors,

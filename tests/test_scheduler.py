@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine_service.block_manager import BlockManager
+from engine_service.common.sampling_params import SamplingParams
 from engine_service.config import EngineConfig
-from engine_service.sampling_params import SamplingParams
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence, SequenceStatus
 from models.attention_metadata import BlockTableCache, make_attention_metadata

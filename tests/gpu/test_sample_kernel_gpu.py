@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_service.sampling_params import SamplingParams
+from engine_service.common.sampling_params import SamplingParams
 from models.kernels.sample import MAX_SPLITS, race_argmax, race_partials
 from models.layers.sampler import Sampler, SamplingTensors, apply_penalties
 from models.parallel import tp_argmax

@@ -9,7 +9,7 @@ import struct
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine_service.sampling_params import SamplingParams, check_field
+from engine_service.common.sampling_params import SamplingParams, check_field
 from nanoserve.v1 import nanoserve_pb2 as pb
 
 FINISH_REASONS = {

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_service.tokenizer import Tokenizer
+from engine_service.common.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"  # what lossy UTF-8 decoding puts where bytes are missing or invalid
 # Undecodable tokens allowed to pile up before a byte-level window looks for a cut point. Real

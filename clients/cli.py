@@ -19,8 +19,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("engine_service.cli", "serve a model: one engine service (gRPC)"),
     "router": ("router.cli", "route requests over engine services by cached prefix and load"),
     "generate": ("clients.generate_cli", "send one prompt to an engine or router, print answer"),
+    "health": ("clients.health_cli", "check an engine's or router's health (exit 0: SERVING)"),
     "tiny-model": ("models.tiny_model", "write a small random Qwen3 checkpoint and tokenizer"),
-    "bench": ("benchmarks.cli", "run the throughput, latency and routing benchmarks"),
+    "bench": ("benchmarks.cli", "run the throughput, latency, routing and soak benchmarks"),
 }
 
 

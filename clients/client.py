@@ -15,12 +15,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.errors import from_rpc_error
+from engine_service.common.tls import (
+    ChannelOptions,
+    channel_credentials,
+    check_tls_files,
+    open_channel,
+)
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 
 # text, token ids, or chat messages ({"role": ..., "content": ...} each)
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
-ChannelOptions = Sequence[tuple[str, Any]]
 
 
 def _is_repeated(f: Any) -> bool:
@@ -166,6 +171,14 @@ class Chunk:
                    c.engine_id)
 
 
+def _credentials(tls_ca: str | None, tls_cert: str | None,
+                 tls_key: str | None) -> grpc.ChannelCredentials | None:
+    check_tls_files(tls_cert, tls_key, tls_ca, ca_alone=True)
+    if tls_cert is not None and tls_ca is None:  # a certificate is shown over TLS only
+        raise ValueError("--tls-cert needs --tls-ca (the CA that verifies the server)")
+    return channel_credentials(tls_ca, tls_cert, tls_key)
+
+
 def _prepare(prompt: Prompt, kwargs: dict[str, Any],
              default_timeout: float | None) -> tuple[pb.GenerateRequest, float | None]:
     """Split call keywords from sampling keywords; timeout None falls back to the client's."""
@@ -181,15 +194,19 @@ class Client:
     `timeout` is the default deadline in seconds for every call (None: no deadline); a call
     may set its own with `timeout=` (None there means the client's default).
     `wait_for_ready` makes calls wait for the target to come up (within the deadline)
-    instead of failing fast with Unavailable.
+    instead of failing fast with Unavailable. `tls_ca` (a PEM file) connects over TLS and
+    verifies the server against that CA; `tls_cert` and `tls_key` add a client certificate
+    for servers that require one (mTLS). Without `tls_ca` the channel is plaintext.
     """
 
     def __init__(self, target: str, timeout: float | None = None, *,
-                 wait_for_ready: bool = False, options: ChannelOptions = ()) -> None:
+                 wait_for_ready: bool = False, options: ChannelOptions = (),
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
-        self._channel = grpc.insecure_channel(target, options=list(options))
+        self._channel = open_channel(target, _credentials(tls_ca, tls_cert, tls_key), options)
         self._generation = pb_grpc.GenerationStub(self._channel)
         self._engine = pb_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -246,23 +263,27 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with Client's API: `await generate(...)`, `async for c in stream(...)`.
+    """asyncio client with Client's API and TLS keywords: `await generate(...)`,
+    `async for c in stream(...)`.
 
     The channel is opened on first use, inside the running event loop (grpc.aio channels
     belong to one loop). Use `async with AsyncClient(...)` or `await close()`.
     """
 
     def __init__(self, target: str, timeout: float | None = None, *,
-                 wait_for_ready: bool = False, options: ChannelOptions = ()) -> None:
+                 wait_for_ready: bool = False, options: ChannelOptions = (),
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
         self._options = list(options)
+        self._credentials = _credentials(tls_ca, tls_cert, tls_key)
         self._channel: grpc.aio.Channel | None = None
 
     def _get_channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._channel = open_channel(self.target, self._credentials, self._options, aio=True)
         return self._channel
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:

@@ -12,6 +12,7 @@ from typing import Any
 
 from clients.client import Client, Prompt, Usage
 from clients.errors import NanoserveError
+from engine_service.common.tls import add_tls_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", default=None)
     parser.add_argument("--request-id")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
+    add_tls_arguments(parser)
 
 
 def _prompt(args: argparse.Namespace) -> Prompt:
@@ -66,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: --token-ids: {e}", file=sys.stderr)
         return 2
     try:
-        with Client(args.target) as client:
+        with Client(args.target, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                    tls_key=args.tls_key) as client:
             if args.stream:
                 summary = _stream(client, prompt, _sampling(args))
             else:

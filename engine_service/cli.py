@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 
+from engine_service.common.tls import add_tls_arguments, check_tls_files, server_credentials
 from engine_service.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS
 
 
@@ -67,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    add_tls_arguments(parser, cert_help="serve TLS with this certificate chain",
+                      ca_help="require client certificates signed by this CA (mTLS)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,10 +78,13 @@ def main(args: argparse.Namespace) -> int:
     os.environ["NANOSERVE_LOG_LEVEL"] = args.log_level.upper()
     try:
         config = engine_config_from_args(args)
+        check_tls_files(args.tls_cert, args.tls_key, args.tls_ca, ca_alone=False)
     except ValueError as e:
         print(f"error: {e}")
         return 2
     from engine_service.server import serve
 
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
     return asyncio.run(serve(config, host=args.host, port=args.port, engine_id=args.engine_id,
-                             metrics_port=args.metrics_port, drain_timeout=args.drain_timeout))
+                             metrics_port=args.metrics_port, drain_timeout=args.drain_timeout,
+                             credentials=credentials))

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_service import core_process as core
 from engine_service.common.proto_convert import MAX_PROMPT_BYTES_PER_TOKEN, StatusInterceptor
+from engine_service.common.tls import add_port
 from engine_service.config import EngineConfig
 from engine_service.frontend import Frontend
 from engine_service.metrics import EngineMetrics
@@ -45,7 +46,8 @@ def start_core_process(config: EngineConfig):
 
 
 async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | None,
-                metrics_port: int | None, drain_timeout: float) -> int:
+                metrics_port: int | None, drain_timeout: float,
+                credentials: grpc.ServerCredentials | None = None) -> int:
     proc, req_send, out_recv = start_core_process(config)
     # Room for the largest prompt we accept (refused with INVALID_ARGUMENT past its limit);
     # grpc refuses anything larger before it is parsed.
@@ -54,7 +56,7 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
     server = grpc.aio.server(interceptors=[StatusInterceptor()],
                              options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", max_message)])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", credentials)
     if bound == 0:
         raise SystemExit(f"error: cannot listen on {host}:{port}")
     metrics = EngineMetrics()

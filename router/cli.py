@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 
+from engine_service.common.tls import add_tls_arguments
 from router.config import RouterConfig
 from router.policy import POLICIES
 
@@ -56,9 +57,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "per consecutive failure")
     parser.add_argument("--failure-backoff-max", type=float, default=d.failure_backoff_max,
                         metavar="S", help="cap of that backoff")
+    parser.add_argument("--stream-progress-timeout", type=float,
+                        default=d.stream_progress_timeout, metavar="S",
+                        help="an engine that sent a request's first chunk and then no chunk for "
+                             "this long (measured from its last chunk, checked every "
+                             "--health-interval) counts as failed, and the request continues on "
+                             "another engine. The wait for a first chunk (queueing, prefill) is "
+                             "not timed; an engine that hangs then turns NOT_SERVING (its core "
+                             "watchdog), and a NOT_SERVING engine's calls silent for a "
+                             "--health-interval move too")
+    parser.add_argument("--max-concurrent-requests", type=int,
+                        default=d.max_concurrent_requests, metavar="N",
+                        help="requests in flight through the router at most (0 = unlimited); "
+                             "more wait in a FIFO queue")
+    parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                        metavar="M", help="requests waiting for a --max-concurrent-requests "
+                                          "slot at most; beyond: RESOURCE_EXHAUSTED at once")
+    parser.add_argument("--queue-timeout", type=float, default=d.queue_timeout, metavar="S",
+                        help="a queued request that gets no slot within this is "
+                             "RESOURCE_EXHAUSTED (with a retry-after hint)")
     parser.add_argument("--log-level", default=d.log_level, type=str.lower,
                         choices=("debug", "info", "warning", "error"),
                         help="debug logs every routing decision")
+    add_tls_arguments(parser, cert_help="serve TLS with this certificate chain; also the "
+                      "client certificate shown to engines that require one",
+                      ca_help="connect to engines over TLS, verifying them against this CA")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -70,7 +93,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval=args.health_interval, load_interval=args.load_interval,
         optimistic_ttl=args.optimistic_ttl, max_attempts=args.max_attempts,
         failure_backoff=args.failure_backoff, failure_backoff_max=args.failure_backoff_max,
-        log_level=args.log_level)
+        stream_progress_timeout=args.stream_progress_timeout,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests, queue_timeout=args.queue_timeout,
+        log_level=args.log_level, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_ca=args.tls_ca)
 
 
 async def serve(config: RouterConfig) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_service.common.tls import check_tls_files
 from router.policy import PolicyConfig
 
 
@@ -34,8 +35,15 @@ class RouterConfig:
     max_attempts: int = 3                              # engines tried per request
     failure_backoff: float = 1.0                       # first passive-failure backoff, s
     failure_backoff_max: float = 30.0
+    stream_progress_timeout: float = 10.0              # s without a chunk: engine stalled
+    max_concurrent_requests: int = 0                   # 0 = unlimited
+    max_queued_requests: int = 1024                    # beyond the concurrency limit
+    queue_timeout: float = 30.0                        # seconds a request may wait queued
     log_level: str = "info"
     seed: int | None = None                            # tie-break RNG (tests)
+    tls_cert: str | None = None                        # serve TLS; client cert to engines
+    tls_key: str | None = None
+    tls_ca: str | None = None                          # engines over TLS, verified by it
 
     def __post_init__(self) -> None:
         self.engine = list(self.engine)
@@ -50,17 +58,20 @@ class RouterConfig:
         if self.metrics_port == 0:
             self.metrics_port = None
         for name in ("dns_interval", "health_interval", "load_interval", "failure_backoff",
-                     "failure_backoff_max"):
+                     "failure_backoff_max", "stream_progress_timeout", "queue_timeout"):
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0, got {value!r}")
-        if self.optimistic_ttl < 0:
-            raise ValueError(f"optimistic-ttl must be >= 0, got {self.optimistic_ttl!r}")
+        for name in ("optimistic_ttl", "max_concurrent_requests", "max_queued_requests"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {value!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max-attempts must be >= 1, got {self.max_attempts!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         self.policy_config()  # validates policy, cache weight and guard
+        check_tls_files(self.tls_cert, self.tls_key, self.tls_ca, ca_alone=True)
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(policy=self.policy, cache_weight=self.cache_weight,

@@ -8,7 +8,7 @@ One `EngineClient` per engine address owns a channel and three background loops:
     sent itself (`begin_request`), so a burst does not pile onto one engine before the
     engine's figure catches up. A sent request stops counting when it ends, or once a
     report arrives that was asked for after the engine's first chunk of it
-    (`request_started`): the engine counts a request in its figures only from the step
+    (`chunk_arrived`): the engine counts a request in its figures only from the step
     that produced that chunk, so a report asked for merely after the *send* may not hold
     it yet (it would make a burst's engine look idle until the next report).
   * KV events (while the engine serves): SubscribeKvEvents into the PrefixIndex; a broken
@@ -18,6 +18,11 @@ out of rotation for an exponential backoff; `record_success` resets it. One cras
 every stream the engine held: a failure counts only when its request was sent after the
 last counted failure, so the streams of one crash count once. A health check that sees the
 engine serving again after it was down (restarted) also resets the backoff.
+Stalls: the router's calls to the engine are watched (`watch`); every health check cancels
+those that waited --stream-progress-timeout for a chunk after an earlier one, or (engine
+not serving: a hung core's watchdog) one health interval for any chunk. The router then
+counts the failure and continues the request elsewhere (`abandoned` tells it why). A
+draining engine's streams, still making progress, stay.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.common.block_hash import HASH_SCHEME
+from engine_service.common.tls import channel_credentials, open_channel
 from nanoserve.v1 import nanoserve_pb2, nanoserve_pb2_grpc
 from router.config import RouterConfig, split_host_port
 from router.metrics import RouterMetrics
@@ -58,6 +65,16 @@ async def resolve_dns(name_port: str) -> list[str]:
     return sorted(addresses)
 
 
+@dataclass
+class _Watched:
+    """The router's call to this engine for one request."""
+
+    call: grpc.aio.Call
+    waiting_since: float | None  # for the next chunk; None while the client takes one
+    had_chunk: bool = False
+    abandoned: str | None = None  # why the router cancelled it
+
+
 @contextlib.contextmanager
 def _log_unexpected(key: str, what: str):
     """Keep an engine's background loop alive through a bug in one iteration."""
@@ -78,8 +95,14 @@ class EngineClient:
         # gRPC backs reconnects off up to 120 s, so an engine restarted on its address
         # after a long outage would wait that long to rejoin; cap it near the health loop.
         backoff_ms = max(1000, int(config.health_interval * 1000))
-        self.channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.max_reconnect_backoff_ms", backoff_ms)])
+        options = [("grpc.max_reconnect_backoff_ms", backoff_ms)]
+        if config.engine_dns and config.tls_ca:
+            # DNS discovery dials pod IPs; the engines' certificate names the DNS name.
+            options.append(("grpc.ssl_target_name_override",
+                            split_host_port(config.engine_dns)[0]))
+        self.channel = open_channel(
+            address, channel_credentials(config.tls_ca, config.tls_cert, config.tls_key),
+            options, aio=True)
         self.generation = nanoserve_pb2_grpc.GenerationStub(self.channel)
         self.engine = nanoserve_pb2_grpc.EngineStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -96,6 +119,7 @@ class EngineClient:
         self.down_until = 0.0
         self._counted = 0                         # failures counted since start
         self._sent_after: dict[int, int] = {}     # handle -> _counted when it was sent
+        self._watched: dict[int, _Watched] = {}
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -149,15 +173,34 @@ class EngineClient:
         self._sent_after[handle] = self._counted
         return handle
 
-    def request_started(self, handle: int) -> None:
-        """The request's first chunk arrived: the engine's own figures count it from now."""
+    def watch(self, handle: int, call: grpc.aio.Call) -> None:
+        """The request's call, cancelled when it stalls (module doc)."""
+        self._watched[handle] = _Watched(call, self._clock())
+
+    def chunk_arrived(self, handle: int) -> None:
+        """The engine's own figures count the request from its first chunk; the stall clock
+        stops while the client takes the chunk."""
         entry = self._pending.get(handle)
         if entry is not None and entry[1] is None:
             self._pending[handle] = (entry[0], self._clock())
+        watched = self._watched.get(handle)
+        if watched is not None:
+            watched.waiting_since, watched.had_chunk = None, True
+
+    def awaiting_chunk(self, handle: int) -> None:
+        watched = self._watched.get(handle)
+        if watched is not None:
+            watched.waiting_since = self._clock()
+
+    def abandoned(self, handle: int) -> str | None:
+        """Why the router cancelled the request's call (None: it did not)."""
+        watched = self._watched.get(handle)
+        return None if watched is None else watched.abandoned
 
     def end_request(self, handle: int) -> None:
         self._pending.pop(handle, None)
         self._sent_after.pop(handle, None)
+        self._watched.pop(handle, None)
 
     def record_failure(self, code: grpc.StatusCode, handle: int | None = None) -> None:
         """Count a failure of the request `handle` (None: of no request in particular)."""
@@ -213,6 +256,25 @@ class EngineClient:
         else:
             self._serving_event.clear()
         self._update_health_gauge()
+        self._abandon_stalled()
+
+    def _abandon_stalled(self) -> None:
+        now, moved = self._clock(), 0
+        for watched in self._watched.values():
+            if watched.waiting_since is None or watched.abandoned:
+                continue
+            waited = now - watched.waiting_since
+            if not self.serving and waited >= self.config.health_interval:
+                watched.abandoned = f"engine {self.key} stopped serving"
+            elif watched.had_chunk and waited >= self.config.stream_progress_timeout:
+                watched.abandoned = (f"engine {self.key} sent no chunk for {waited:.1f} s "
+                                     "(--stream-progress-timeout)")
+            else:
+                continue
+            watched.call.cancel()  # its reader sees CancelledError on its next await
+            moved += 1
+        if moved:
+            log.warning("engine %s: %d stalled stream(s) move to other engines", self.key, moved)
 
     async def _read_model_info(self, timeout: float) -> bool:
         try:

@@ -37,6 +37,14 @@ class RouterMetrics:
         self.errors = Counter(
             "nanoserve_router_request_errors", "Requests that ended in an error, by code",
             ["code"], registry=r)
+        self.rejected = Counter(
+            "nanoserve_router_rejected_requests",
+            "Requests refused by admission control (RESOURCE_EXHAUSTED): reason queue_full "
+            "or queue_timeout", ["reason"], registry=r)
+        self.admitted = Gauge(
+            "nanoserve_router_admission_requests",
+            "Requests holding a --max-concurrent-requests slot (state in_flight) or waiting "
+            "for one (state queued)", ["state"], registry=r)
         self.engine_healthy = Gauge(
             "nanoserve_router_engine_healthy", "1 when the engine can take requests",
             ["engine"], registry=r)

@@ -4,7 +4,8 @@ A request's life here:
   1. check it: decodable (proto_convert.StatusInterceptor), sampling values valid, its
      request_id not already in flight through this router (held until the request ends,
      however it ends); an engine's INVALID_ARGUMENT still comes back to the client
-     unchanged, never retried;
+     unchanged, never retried; then a --max-concurrent-requests slot (router.admission),
+     held until the RPC ends, or RESOURCE_EXHAUSTED with a retry-after hint;
   2. turn the prompt into token ids (text and chat messages with the engines' tokenizer, in
      a thread), after a byte bound on the text (proto_convert.check_prompt_bytes); refuse
      a prompt longer than every engine's max_model_len allows;
@@ -12,7 +13,8 @@ A request's life here:
      to the winner's Stream (the unary Generate is served from the same stream, so it
      fails over the same way);
   4. forward every chunk as the engine wrote it (engine_id included);
-  5. on a transport / server-side error: if no token reached the client yet, send the
+  5. on a transport / server-side error, or a stall (the engine pool cancels a call that
+     makes no progress, router.engine_pool): if no token reached the client yet, send the
      same request to another engine; otherwise continue on another engine from prompt +
      tokens already sent, with max_tokens and min_tokens reduced by what was sent and the
      same seed, so the client's stream goes on with no token twice.
@@ -63,8 +65,10 @@ from engine_service.common.sampling_params import (
     check_prompt_len,
     quote,
 )
+from engine_service.common.tls import add_port, server_credentials
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
+from router.admission import RETRY_AFTER_S, Admission, Rejected
 from router.config import RouterConfig
 from router.engine_pool import EngineClient, EnginePool, Resolver, resolve_dns
 from router.errors import bounded
@@ -155,6 +159,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._rr = itertools.count()
         # client request_id -> the token of the request holding it
         self.request_ids_in_flight: dict[str, object] = {}
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests,
+                                   config.queue_timeout)
+        metrics.admitted.labels("in_flight").set_function(lambda: self.admission.in_flight)
+        metrics.admitted.labels("queued").set_function(lambda: self.admission.queued)
 
     # ---- RPCs -------------------------------------------------------------------------
 
@@ -201,15 +209,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling)
         except ValueError as e:
             raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
-        release = self._hold_request_id(request.request_id, context)
-        try:
+        with contextlib.ExitStack() as held:  # released as the request ends, however
+            held.callback(self._hold_request_id(request.request_id, context))
+            held.callback(await self._admit(context))
             prompt_ids = await self._prompt_ids(request)
             chunks = self._attempts(request, params, prompt_ids, context)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
-        finally:
-            release()
 
     def _hold_request_id(self, request_id: str,
                          context: grpc.aio.ServicerContext) -> Callable[..., None]:
@@ -232,6 +239,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         context.add_done_callback(release)
         return release
 
+    async def _admit(self, context: grpc.aio.ServicerContext) -> Callable[..., None]:
+        """A --max-concurrent-requests slot, held until the RPC ends (released as in
+        _hold_request_id); or RESOURCE_EXHAUSTED with a retry-after hint in seconds in the
+        trailing metadata, for an HTTP front's 429 + Retry-After."""
+        try:
+            release = await self.admission.acquire()
+        except Rejected as e:
+            self.metrics.rejected.labels(e.reason).inc()
+            context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
+            raise _Abort(Code.RESOURCE_EXHAUSTED, str(e)) from None
+        context.add_done_callback(release)
+        return release
+
     async def _attempts(self, request: pb.GenerateRequest, params: SamplingParams,
                         prompt_ids: list[int], context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[pb.GenerateChunk]:
@@ -251,12 +271,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 break
             engine, handle = routed
             tried.add(engine.key)
-            chunks = self._forward(engine, request, request_id, prompt_ids, max_tokens,
-                                   progress, context)
+            chunks = self._forward(engine, handle, request, request_id, prompt_ids,
+                                   max_tokens, progress, context)
             try:
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
-                        engine.request_started(handle)  # a no-op after the first chunk
                         yield chunk
                 engine.record_success()
                 return
@@ -270,16 +289,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return
         raise self._unavailable(request_id, errors)
 
-    async def _forward(self, engine: EngineClient, request: pb.GenerateRequest, request_id: str,
-                       prompt_ids: list[int], max_tokens: int, progress: _Progress,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        """One engine's stream, as the client must see it; raises the engine's AioRpcError."""
+    async def _forward(self, engine: EngineClient, handle: int, request: pb.GenerateRequest,
+                       request_id: str, prompt_ids: list[int], max_tokens: int,
+                       progress: _Progress, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateChunk]:
+        """One engine's stream, as the client must see it; raises the engine's AioRpcError,
+        or UNAVAILABLE when the engine pool abandoned the call (a stall)."""
         num_sent_before = len(progress.sent_ids)
         engine_request = continuation_request(request, request_id, prompt_ids,
                                               progress.sent_ids, max_tokens)
         call = engine.generation.Stream(engine_request, timeout=_time_left(context))
+        engine.watch(handle, call)
         try:
             async for chunk in call:
+                engine.chunk_arrived(handle)
                 if num_sent_before and chunk.HasField("usage"):
                     _to_client_view(chunk.usage, len(prompt_ids), num_sent_before)
                 if progress.owed_text:
@@ -288,6 +311,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield chunk
                 progress.sent_ids.extend(chunk.token_ids)
                 progress.sent_text.append(chunk.text)
+                engine.awaiting_chunk(handle)
+        except asyncio.CancelledError:
+            why = engine.abandoned(handle)
+            if why is None or context.done():
+                raise  # the client went away
+            raise grpc.aio.AioRpcError(Code.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), why) from None
         finally:
             call.cancel()  # no-op when done; propagates client cancellation otherwise
 
@@ -445,7 +475,8 @@ class Router:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = server.add_insecure_port(address)
+            self.port = add_port(server, address,
+                                 server_credentials(self.config.tls_cert, self.config.tls_key))
         except RuntimeError as e:  # grpc's way of saying the port is taken
             raise OSError(f"cannot listen on {address}: {e}") from None
         if self.port == 0:

@@ -32,6 +32,8 @@ Errors it can inject (FakeBehavior fields may be changed while it runs):
 - `fail_after_tokens`: a request that has sent that many tokens aborts with `fail_code`
   (UNAVAILABLE by default), like a crashed engine mid-stream.
 - `token_delay_s`: sleeps before each chunk (a slow engine, for deadline tests).
+- `stall_after_tokens`: a request that has sent that many tokens sends nothing more, its
+  RPC left open, until the field changes or the RPC ends (a hung engine; 0: no token at all).
 
 What it saw: `fake.requests` (every GenerateRequest received, in order), `fake.cancelled`
 (request ids whose RPC the client cancelled or let expire before the last chunk),
@@ -55,6 +57,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.common.block_hash import HASH_SCHEME, hash_prompt_blocks
+from engine_service.common.tls import add_port
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 
@@ -77,6 +80,7 @@ class FakeBehavior:
     reject_count: int | None = None
     fail_after_tokens: int | None = None
     fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    stall_after_tokens: int | None = None
     tokenizer_dir: str | None = None
     tokenizer_piece_bytes: int = 64 * 1024
     kv_history_limit: int = 1000  # event batches kept for resuming subscribers
@@ -156,7 +160,8 @@ class FakeEngine(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def start(self, host: str, port: int, max_workers: int = 32) -> int:
+    def start(self, host: str, port: int, max_workers: int = 32,
+              credentials: grpc.ServerCredentials | None = None) -> int:
         # every open stream (Stream, SubscribeKvEvents) holds one worker thread
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
         pb_grpc.add_GenerationServicer_to_server(self, self._server)
@@ -164,7 +169,7 @@ class FakeEngine(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self._server, f"{host}:{port}", credentials)
         self.set_serving(True)
         self._server.start()
         return self.port
@@ -358,6 +363,9 @@ class FakeEngine(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         while state.finish == pb.FINISH_REASON_UNSPECIFIED:
             if b.token_delay_s:
                 time.sleep(b.token_delay_s)
+            while (b.stall_after_tokens is not None and run.num_generated >= b.stall_after_tokens
+                   and context.is_active() and not self._stopped):
+                time.sleep(0.01)
             if not context.is_active():
                 return  # cancelled or expired: stop work; _on_rpc_end records it
             budget = b.tokens_per_chunk
@@ -487,10 +495,13 @@ class FakeEngine(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
 
 def start_fake_engine(port: int = 0, engine_id: str | None = None,
                       behavior: FakeBehavior | None = None, host: str = "127.0.0.1",
-                      max_workers: int = 32) -> tuple[FakeEngine, int]:
-    """Start a fake engine; engine_id defaults to "host:port". Call `fake.stop()` after."""
+                      max_workers: int = 32,
+                      credentials: grpc.ServerCredentials | None = None
+                      ) -> tuple[FakeEngine, int]:
+    """Start a fake engine (TLS with `credentials`, see engine_service.common.tls);
+    engine_id defaults to "host:port". Call `fake.stop()` after."""
     fake = FakeEngine(engine_id or "", behavior or FakeBehavior())
-    bound = fake.start(host, port, max_workers)
+    bound = fake.start(host, port, max_workers, credentials)
     if not engine_id:
         fake.engine_id = f"{host}:{bound}"
     return fake, bound

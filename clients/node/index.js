@@ -4,6 +4,7 @@
 // proto/nanoserve/v1/nanoserve.proto. Option names are the proto's snake_case field names,
 // exactly as in the Python client.
 
+const fs = require('node:fs');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -132,13 +133,28 @@ function toResult(m) {
   };
 }
 
+// tlsCa: PEM file of the CA that verifies the server (TLS); tlsCert + tlsKey: PEM files of a
+// client certificate for servers that require one (mTLS). No tlsCa: plaintext.
+function channelCredentials(tlsCa, tlsCert, tlsKey) {
+  if (!tlsCert !== !tlsKey) throw new TypeError('give tlsCert and tlsKey together');
+  if (!tlsCa) {
+    if (tlsCert) throw new TypeError('tlsCert needs tlsCa (the CA that verifies the server)');
+    return grpc.credentials.createInsecure();
+  }
+  const read = (file) => (file ? fs.readFileSync(file) : null);
+  return grpc.credentials.createSsl(read(tlsCa), read(tlsKey), read(tlsCert));
+}
+
 class Client {
   // target: "host:port". timeout: default deadline in seconds for every call (null: none);
   // a call's own `timeout` option overrides it.
-  constructor(target, { timeout = null, credentials = null, channelOptions = {} } = {}) {
+  constructor(target, {
+    timeout = null, credentials = null, channelOptions = {}, tlsCa = null, tlsCert = null,
+    tlsKey = null,
+  } = {}) {
     this.target = target;
     this.timeout = timeout;
-    const creds = credentials || grpc.credentials.createInsecure();
+    const creds = credentials || channelCredentials(tlsCa, tlsCert, tlsKey);
     this._generation = new v1.Generation(target, creds, channelOptions);
     this._engine = new v1.Engine(target, creds,
                                  { channelOverride: this._generation.getChannel() });

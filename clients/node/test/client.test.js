@@ -2,7 +2,9 @@
 // Runs against a live engine or router: NANOSERVE_TARGET=HOST:PORT (required: without it
 // these tests fail, they never skip). NANOSERVE_EXPECT_JSON=FILE (optional) names a JSON
 // file written by the Python side: {"prompt", "sampling", "token_ids", "text"}; the stream
-// must reproduce its token ids and text exactly.
+// must reproduce its token ids and text exactly. NANOSERVE_TLS_CA=FILE (optional) connects
+// over TLS, verifying the server against that CA; NANOSERVE_TLS_CERT and NANOSERVE_TLS_KEY
+// (optional) add a client certificate.
 
 const { test } = require('node:test');
 const assert = require('node:assert/strict');
@@ -17,7 +19,11 @@ const DEFAULT_SPEC = { prompt: 'Hello', sampling: { max_tokens: 8, temperature: 
 
 function requireTarget() {
   assert.ok(TARGET, 'set NANOSERVE_TARGET=HOST:PORT of a running nanoserve engine or router');
-  return new Client(TARGET, { timeout: 120 });
+  const env = process.env;
+  return new Client(TARGET, {
+    timeout: 120, tlsCa: env.NANOSERVE_TLS_CA, tlsCert: env.NANOSERVE_TLS_CERT,
+    tlsKey: env.NANOSERVE_TLS_KEY,
+  });
 }
 
 test('buildRequest maps prompts and options onto the proto', () => {

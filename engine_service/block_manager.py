@@ -31,12 +31,9 @@ class Block:
 
 
 class BlockManager:
-    """Blocks `0..num_blocks-1`. Invariants (see check_consistency): a block is in the free
-    list iff its ref_count is 0; a block has a hash iff the hash table maps that hash to it.
-
-    Recomputed (preempted) sequences look up the prefix cache over all their known tokens
-    (prompt + outputs so far), since those are what must be recomputed.
-    """
+    """Blocks `0..num_blocks-1`. Invariants (check_consistency): a block is free iff its
+    ref_count is 0, and has a hash iff the table maps that hash to it. Preempted sequences
+    look up the prefix cache over all their tokens (prompt + outputs so far)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -46,18 +43,13 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
-        # Ref-0 blocks in reuse order (front = next to reuse). Hashed blocks keep their hash
-        # here until reused, so the order is least recently freed first.
+        # Ref-0 blocks, front = next to reuse (LRU); hashed ones keep their hash until reused.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._events: list[KvEvent] = []
-        # Admitting a sequence asks for its prefix hits three times (cached tokens, then
-        # can_allocate, then allocate) with nothing changed in between: the last answer is
-        # kept with what it depends on: the sequence object itself (an id could be reused
-        # by a new request with other tokens), its token count and the hash table version.
+        # Admission asks for a sequence's prefix hits three times in a row: the last answer
+        # is kept with what it depends on (the object, its token count, the table version).
         self._table_version = 0  # bumped whenever hash_to_block changes
         self._last_hits: tuple[Sequence, int, int, list[int]] | None = None
-
-    # -- queries ---------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,18 +63,13 @@ class BlockManager:
         return list(self.hash_to_block)
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
-        """Tokens `seq` would get from the prefix cache if allocated now (block-aligned).
-
-        Leaves at least one token to compute, since the last token's logits must be produced.
-        Only fills seq.block_hashes (a memo); the cache itself is untouched.
-        """
+        """Tokens `seq` would get from the prefix cache if allocated now (block-aligned),
+        leaving at least one to compute for the last token's logits. Read-only."""
         return len(self._cache_hits(seq)) * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         _, _, take = self._plan(seq, num_new_tokens)
         return take <= len(self.free_blocks)
-
-    # -- mutations -------------------------------------------------------------------------
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make seq.block_table cover num_computed_tokens + num_new_tokens (after cache hits
@@ -108,12 +95,9 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that are now full and fully computed, as one `stored` batch.
-
-        "Computed" means launched: with async scheduling a block's last KV may still be in
-        flight, which is safe because any step that reads it is launched later on the same
-        stream. A block whose last token is still pending (not on the host) waits, since its
-        hash needs that token."""
+        """Register blocks that are now full and computed (launched: any reader is launched
+        later on the same stream), as one `stored` batch. A block whose last token is still
+        pending waits, since its hash needs that token."""
         bs = self.block_size
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
         if num_full <= seq.num_hashed_blocks:
@@ -123,8 +107,8 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, num_full):
             block_hash = self._block_hash(seq, i)
             if block_hash in self.hash_to_block:
-                # Another sequence computed the same block concurrently (or xxh3 collided):
-                # the existing entry stays, this block just stays private and unhashed.
+                # Another sequence computed the same block (or xxh3 collided): this one
+                # stays private and unhashed.
                 continue
             block = self.blocks[seq.block_table[i]]
             block.block_hash = block_hash
@@ -154,10 +138,8 @@ class BlockManager:
         events, self._events = self._events, []
         return events
 
-    # -- checks for tests ------------------------------------------------------------------
-
     def check_consistency(self) -> None:
-        """Raise AssertionError if an invariant is broken (explicit raise: survives -O)."""
+        """For tests: raise AssertionError if an invariant is broken (survives -O)."""
         for block in self.blocks:
             in_free = block.block_id in self.free_blocks
             if block.ref_count < 0 or (block.ref_count == 0) != in_free:
@@ -173,8 +155,6 @@ class BlockManager:
     def all_free(self) -> bool:
         return len(self.free_blocks) == self.num_blocks and \
             all(b.ref_count == 0 for b in self.blocks)
-
-    # -- internals -------------------------------------------------------------------------
 
     def _block_hash(self, seq: Sequence, i: int) -> int:
         """Chained hash of seq's full block i, memoized in seq.block_hashes."""

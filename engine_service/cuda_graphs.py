@@ -1,16 +1,8 @@
-"""CUDA graphs for pure-decode steps.
-
-A decode step launches a few hundred small kernels; replaying them as one graph removes
-the launch overhead that otherwise dominates small batches. One graph per batch size in
-`graph_batch_sizes`, all sharing one memory pool. A batch of n rows replays the smallest
-graph of >= n rows; padded rows store nothing (slot -1) and their outputs are dropped.
-
-The graphs read their per-step inputs from `DecodeInputs`: views of one device buffer that
-one host->device copy fills per step (the separate copies, fills and slot arithmetic they
-replace were 432 of rank 0's 1,244 us of launch work a step at TP=4, batch 1). A row's
-input token may still be pending on the device (sampled by the previous step, async
-scheduling); the graph takes it from the `sampled` region of the same buffer, which the
-runner fills with every step's sampled tokens.
+"""CUDA graphs for pure-decode steps: one per batch size in `graph_batch_sizes`, sharing one
+memory pool. A batch of n rows replays the smallest graph of >= n rows; padded rows store
+nothing (slot -1) and their outputs are dropped. The graphs read their inputs from
+`DecodeInputs`, one device buffer filled by one host->device copy per step; a pending input
+token comes from its `sampled` region, where the runner keeps every step's sampled tokens.
 """
 
 from __future__ import annotations
@@ -33,14 +25,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeInputs:
     """The graphs' static inputs as views of one device buffer, and two pinned host twins.
 
-    int64 regions of max_bs entries: `sampled` (written on the device only), `input_ids`,
-    `token_index`, `positions`, `slot_mapping`; then int32 `seq_lens` [max_bs] and
-    `block_tables` [max_bs, max_blocks]. The graph gathers its input tokens as
-    `sampled|input_ids`[token_index]: row i reads input_ids[i] (index max_bs + i) or a
-    pending token from sampled[r]. A step copies the host bytes from `input_ids` to the end
-    of its last block-table row, so the device-written `sampled` region is never touched.
-    The host twins alternate, so a step never overwrites bytes the device may still be
-    copying from the step before; an event per twin makes that certain."""
+    int64 [max_bs] regions `sampled` (device-written only), `input_ids`, `token_index`,
+    `positions`, `slot_mapping`; int32 `seq_lens` [max_bs], `block_tables` [max_bs,
+    max_blocks]. Input tokens are `sampled|input_ids`[token_index]. A step copies from
+    `input_ids` on, never over `sampled`; the host twins alternate (an event each), so a step
+    never overwrites bytes the device may still be copying."""
 
     INT64 = ("sampled", "input_ids", "token_index", "positions", "slot_mapping")
 
@@ -118,8 +107,7 @@ class CudaGraphRunner:
         self.inputs = DecodeInputs(self.max_bs, cfg.max_blocks_per_seq, runner.device)
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32,
                                          device=runner.device)
-        # Each graph's hidden states [bs, hidden] stay where its capture left them (replays
-        # write the same memory), so no copy into a shared output ends the graph.
+        # Each graph's hidden states [bs, hidden], where its capture (and every replay) leaves them.
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:

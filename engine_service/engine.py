@@ -1,7 +1,5 @@
-"""LLMEngine: the step loop shared by the offline `LLM` and the core process.
-
-add_request / abort / step. Requests come in as token ids (tokenization and detokenization
-belong to the caller: `LLM` here, the gRPC frontend in the service)."""
+"""LLMEngine: the step loop (add_request / abort / step) shared by the offline `LLM` and the
+core process. Requests are token ids: (de)tokenization belongs to the caller."""
 
 from __future__ import annotations
 
@@ -43,10 +41,8 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     seconds: float = 0.0  # the whole call
-    # of which the host sat waiting for the device's tokens (async scheduling only)
-    wait_seconds: float = 0.0
-    # device time of the steps read back in the call (CUDA only; see LaunchedStep)
-    device_seconds: float = 0.0
+    wait_seconds: float = 0.0  # of which the host waited for the device's tokens
+    device_seconds: float = 0.0  # of the steps read back in the call (CUDA only)
     num_steps: int = 1
 
     def add(self, other: StepStats) -> None:
@@ -73,13 +69,10 @@ class LLMEngine:
         self.total_stats = StepStats(num_steps=0)  # since start; benchmarks reset it
         self._async = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        # Start-up leaves ~10^5 long-lived objects (model, graphs, compiled kernels): out of
-        # the collector's sight, a full collection no longer stalls a step for ~0.1 s, in
-        # the serving core and in offline LLM runs alike.
+        # Start-up leaves ~10^5 long-lived objects: frozen, a full collection no longer
+        # stalls a step for ~0.1 s.
         gc.collect()
         gc.freeze()
-
-    # ---------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceT[int],
                     sampling_params: SamplingParams) -> Sequence:
@@ -101,16 +94,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---------------------------------------------------------------- stepping
-
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step that finished.
-
-        With async scheduling the step launched here finishes during the next call: its
-        tokens are read (and the host postprocesses them) while the device runs the next
-        step, so scheduling, batch building and output handling overlap the forward pass.
-        Otherwise (or when a sampling penalty needs a pending token on the host) each step
-        finishes in the call that launched it."""
+        """Schedule and launch one step; return the outputs of the step that finished. With
+        async scheduling a step finishes during the next call, so the host's work overlaps
+        the forward pass (unless a penalty needs a pending token on the host)."""
         t0 = time.perf_counter()
         finished: list[LaunchedStep] = []  # steps read back in this call
         outputs: list[RequestOutput] = []
@@ -165,8 +152,6 @@ class LLMEngine:
                 done, seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
                 seq.num_cached_tokens, seq.num_output_tokens))
         return outputs
-
-    # ---------------------------------------------------------------- KV events / load
 
     def take_kv_events(self) -> list[KvEvent]:
         return self.block_manager.take_events()

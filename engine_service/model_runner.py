@@ -41,12 +41,9 @@ class StepResult:
 
 
 class LaunchedStep:
-    """A step whose forward pass and sampling are queued on the device. Its outputs are
-    copied to pinned host memory behind the step and `result()` waits for that copy alone,
-    so the host can launch the next step first (a plain `.tolist()` would also wait for
-    everything queued after this step). The copy goes on `copy_stream` when given: on the
-    compute stream the next step's graph would wait for its PCIe round trip (12.8 us of
-    rank 0's 1.86 ms step at TP=4, batch 1)."""
+    """A step queued on the device. Its outputs are copied to pinned host memory on
+    `copy_stream` (off the compute stream) and `result()` waits for that copy alone, so the
+    host can launch the next step first."""
 
     def __init__(self, batch: list[ScheduledSeq], out: SamplerOutput | None,
                  start: torch.cuda.Event | None = None,
@@ -55,9 +52,7 @@ class LaunchedStep:
         self.batch = batch
         self._guard = guard or contextlib.nullcontext  # a tensor-parallel step: TPWorkers.guard
         self.wait_seconds = 0.0  # how long result() blocked on the device
-        # Device time from the later of (the step's inputs queued, the work before it done)
-        # to the end of its output copy: the device's busy time, host launch gaps included.
-        self.device_seconds = 0.0
+        self.device_seconds = 0.0  # from the inputs queued to the output copy done
         self._start = start
         self._host: dict[str, torch.Tensor] = {}
         self._done: torch.cuda.Event | None = None
@@ -102,19 +97,10 @@ class LaunchedStep:
         if len(sampled) == len(batch) and "logprobs" not in self._host:
             return StepResult(sampled, [None] * len(batch))  # every row sampled
         rows = [item for item in batch if item.sample]
-        lp = self._logprobs(rows) if "logprobs" in self._host else None
-        tokens: list[int | None] = []
-        logprobs: list = []
-        it = iter(range(len(rows)))
-        for item in batch:
-            if item.sample:
-                r = next(it)
-                tokens.append(sampled[r])
-                logprobs.append(lp[r] if lp is not None else None)
-            else:
-                tokens.append(None)
-                logprobs.append(None)
-        return StepResult(tokens, logprobs)
+        lp = self._logprobs(rows) if "logprobs" in self._host else [None] * len(rows)
+        it = iter(zip(sampled, lp, strict=True))
+        pairs = [next(it) if item.sample else (None, None) for item in batch]
+        return StepResult([t for t, _ in pairs], [p for _, p in pairs])
 
     def _logprobs(self, rows: list[ScheduledSeq]) -> list:
         chosen = self._host["logprobs"].tolist()
@@ -147,13 +133,11 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0):
         self.config = config
-        self.rank = rank
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(rank)
             self.device = torch.device("cuda", rank)
-        # Rank 0 of a tensor-parallel engine starts ranks 1..N-1 and joins their group
-        # before the model is built: the layers size their shards from the group.
+        # Rank 0 starts the TP group before the model: the layers size their shards from it.
         self.tp = start_tensor_parallel(config, rank, self.device)
         try:
             self._build()
@@ -191,8 +175,7 @@ class ModelRunner:
                              else None)  # sampled tokens to the host, off the compute stream
         self.vocab_size = self.model_config.vocab_size
         self.sampler.warm_up(self.vocab_size, self.dtype, self.device)
-        # The last launched step's sampled tokens, by sequence: a pending input token of the
-        # next step is read from here (async scheduling).
+        # The last step's sampled tokens: the next step's pending input tokens.
         self._prev_sampled: torch.Tensor | None = None  # [num_rows] int64
         self._prev_sample_rows: dict[str | int, int] = {}  # seq_id -> row
         self._table_cache = BlockTableCache()  # decode rows' tables change once a block
@@ -220,20 +203,17 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.check_alive()
 
-    # ---------------------------------------------------------------- KV cache
-
     @property
     def kv_block_shape(self) -> tuple[int, int, int]:
-        """(block_size, this rank's KV heads, head_dim), from the attention layers, which
-        know how the KV heads were split (or replicated) across tensor-parallel ranks."""
+        """(block_size, this rank's KV heads, head_dim)."""
         attn = self.model.attention_layers()[0]
         return self.block_size, attn.num_kv_heads, attn.head_dim
 
     @property
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
         block_size, kv_heads, head_dim = self.kv_block_shape
-        return 2 * self.model_config.num_hidden_layers * block_size * kv_heads * head_dim * elem
+        return (2 * self.model_config.num_hidden_layers * block_size * kv_heads * head_dim
+                * self.dtype.itemsize)
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -278,19 +258,17 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return max(0, int(budget))
 
-    # (query lens, context lens) of the warm-up batches: short and long chunks, with and
-    # without cached context, one and many rows, decode rows mixed with a prefill chunk;
-    # their token counts reach every launch configuration of the fused MoE's table.
+    # (query lens, context lens) of the warm-up batches: short and long, cached or not, one and
+    # many rows, mixed; their token counts reach every config of the fused MoE's table.
     _WARM_UP_BATCHES = (([5], [5]), ([12], [600]), ([200], [200]), ([300], [1100]),
                         ([1024], [1024]), ([100] * 64, [100] * 64),
                         ([1] * 8 + [100], [700] * 8 + [100]))
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Compile now what the first requests would otherwise wait for: every attention
-        launch variant, and torch.compile's dynamic-shape kernels (its second distinct shape
-        recompiles). Writes KV into scratch blocks no sequence owns yet; every block is
-        written before it is read once allocated."""
+        """Compile now what the first requests would otherwise wait for (attention launch
+        variants, torch.compile's dynamic shapes). Writes KV only into blocks no sequence
+        owns yet."""
         attn = self.model.attention_layers()[0]
         self.backend.warm_up(attn.kv_cache, attn.num_heads)
         for query_lens, seq_lens in self._WARM_UP_BATCHES:
@@ -322,14 +300,10 @@ class ModelRunner:
                     cache.numel() * cache.element_size() / 2**20)
         return cache
 
-    # ---------------------------------------------------------------- batch building
-
     def prepare_inputs(self, batch: list[ScheduledSeq]):
-        """Flatten a mixed batch (decode rows, prefills, prefix-cached prefills, chunks):
-        (input_ids [T], positions [T], attention metadata, logits_indices [num_rows]).
-
-        A row whose last input token is still pending (sampled by the previous step, not yet
-        on the host) takes it from that step's sampled tokens on the device."""
+        """Flatten a mixed batch: (input_ids [T], positions [T], attention metadata,
+        logits_indices [num_rows]). A pending last input token (sampled by the previous step,
+        not yet on the host) is taken from that step's sampled tokens on the device."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -377,11 +351,7 @@ class ModelRunner:
 
     def prepare_decode(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Stage a decode-only batch into the graphs' inputs (one host->device copy);
-        returns logits_indices [num_rows], or None when every row samples.
-
-        Each row's one query token is at position `start`; its slot follows from that on
-        the host, which for a handful of rows is cheaper than launching the device
-        arithmetic prepare_inputs uses for large batches."""
+        returns logits_indices [num_rows], or None when every row samples."""
         block_size = self.block_size
         input_ids: list[int] = []
         token_index: list[int] = []  # into sampled | input_ids (see DecodeInputs)
@@ -424,31 +394,19 @@ class ModelRunner:
             if step < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
                 suppress.extend((row, t) for t in banned if t < self.vocab_size)
-        need_history = any(p.uses_penalties for p in params)
-        return SamplingTensors.build(
-            params=params,
-            seeds=seeds,
-            steps=steps,
-            # Only penalty rows read their history; the others count nothing either way.
-            prompt_token_ids=[item.seq.prompt_token_ids if p.uses_penalties else []
-                              for p, item in zip(params, rows, strict=True)]
-            if need_history else None,
-            output_token_ids=[item.seq.output_token_ids if p.uses_penalties else []
-                              for p, item in zip(params, rows, strict=True)]
-            if need_history else None,
-            suppress=suppress,
-            vocab_size=self.vocab_size,
-            device=self.device)
-
-    # ---------------------------------------------------------------- execution
+        prompts = outputs = None
+        if any(p.uses_penalties for p in params):  # only penalty rows read their history
+            pairs = list(zip(params, rows, strict=True))
+            prompts = [item.seq.prompt_token_ids if p.uses_penalties else [] for p, item in pairs]
+            outputs = [item.seq.output_token_ids if p.uses_penalties else [] for p, item in pairs]
+        return SamplingTensors.build(params, seeds, steps, prompts, outputs, suppress,
+                                     self.vocab_size, self.device)
 
     def run_model(self, batch: list[ScheduledSeq], start: torch.cuda.Event | None = None,
                   gather: bool = True) -> torch.Tensor | None:
-        """Forward one batch; logits of its sampling rows [num_rows, vocab], or None. Every
-        tensor-parallel rank runs this on the same batch, so the collectives line up.
-        `start` is recorded once the inputs are built: the device's part begins there.
-        gather=False: only this rank's vocab columns (`vocab_start` on), for sharded
-        sampling."""
+        """Forward one batch on every TP rank; logits of its sampling rows [num_rows, vocab]
+        (gather=False: this rank's vocab columns only), or None. `start` is recorded once the
+        inputs are built."""
         if self.can_replay(batch):
             logits_indices = self.prepare_decode(batch)
             if start is not None:
@@ -509,13 +467,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def replay(self, batch: list[ScheduledSeq], sharded_sampling: bool) -> None:
-        """A tensor-parallel worker's step: rank 0's forward pass on this shard, then the
-        step's tokens kept for the next step's pending inputs: drawn here over this rank's
-        vocab shard with the others, or rank 0's (broadcast on the device)."""
+        """A TP worker's step: rank 0's forward pass on this shard, then the step's tokens
+        (drawn over the vocab shards together, or broadcast by rank 0) kept for the next step."""
         rows = [item for item in batch if item.sample]
-        # Built before the forward, as on rank 0: the draw kernel reads these settings
-        # before it waits for the logits. The mirror knows temperatures, seeds and prompt
-        # lengths, and nothing else shapes a sharded step's draws (rank 0 checked): no eos.
+        # Before the forward, as on rank 0. A sharded step's draws need no eos (rank 0 checked).
         sampling = self.prepare_sampling(rows, []) if rows and sharded_sampling else None
         logits = self.run_model(batch, gather=not sharded_sampling)
         sampled = None
@@ -531,8 +486,8 @@ class ModelRunner:
         self._remember_sampled(rows, sampled)
 
     def _remember_sampled(self, rows: list[ScheduledSeq], sampled: torch.Tensor | None) -> None:
-        """Keep a step's sampled tokens [num_rows] int64 on the device: the next step's
-        pending input tokens (eager steps index this tensor, graphs the static copy)."""
+        """Keep a step's sampled tokens [num_rows] on the device for the next step's pending
+        inputs (eager steps index this tensor, graphs the static copy)."""
         self._prev_sampled = sampled
         self._prev_sample_rows = {item.seq.seq_id: r for r, item in enumerate(rows)}
         static = self.graph_runner.sampled if self.graph_runner is not None else None

@@ -48,13 +48,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS: older sequences (lower `arrival`) have priority; under KV pressure the newest
-    running sequence is preempted and later recomputed from prompt + outputs so far.
-
-    `schedule()` commits the step as launched: each row's KV counts as computed and a sampling
-    row leaves a pending token, so the next step can be scheduled before this one's tokens
-    are on the host (async scheduling). `postprocess()` then appends the sampled tokens.
-    """
+    """FCFS: older sequences (lower `arrival`) first; under KV pressure the newest running one
+    is preempted and later recomputed. `schedule()` commits the step as launched (KV computed,
+    a pending token per sampling row), so the next step can be scheduled before its tokens
+    reach the host; `postprocess()` then appends them."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  eos_token_ids: list[int]) -> None:
@@ -115,8 +112,7 @@ class Scheduler:
 
     def tokens_in_flight(self) -> int:
         """Prompt tokens not yet computed + tokens still to generate, over unfinished seqs."""
-        # Asked after every step by the core process: attributes, not Sequence's properties,
-        # and comparisons, not min()/max() calls (~100 ns each).
+        # Asked after every step: attributes and comparisons, not properties and min()/max().
         total, max_len = 0, self.max_model_len
         for seq in self._unfinished.values():
             num_tokens, num_prompt = len(seq.token_ids), seq.num_prompt_tokens
@@ -130,8 +126,6 @@ class Scheduler:
                 total += to_generate
         return total
 
-    # -- schedule --------------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
         bm = self.block_manager
         block_size = bm.block_size
@@ -139,13 +133,11 @@ class Scheduler:
         rows: dict[str, ScheduledSeq] = {}  # insertion order = batch order
         preempted: list[Sequence] = []
 
-        # Running sequences: decode rows (one token each) first, then prefill chunks, each
-        # group oldest first. A chunk shrinks to the free blocks; only a sequence that cannot
-        # take a single token preempts, so preemption is as rare as it can be.
-        # The per-row loops read Sequence's attributes, not its properties: they run for
-        # every running sequence every step.
+        # Running sequences: decode rows first, then prefill chunks, each oldest first. A
+        # chunk shrinks to the free blocks; only a sequence that cannot take one token
+        # preempts. Hot loop: attributes, not Sequence's properties.
         decode, prefill = self._split_running()
-        status_running = SequenceStatus.RUNNING  # an Enum member lookup: ~70 ns on 3.11
+        status_running = SequenceStatus.RUNNING  # hoisted: an Enum member lookup per row
         for seq in itertools.chain(decode, prefill):
             if budget == 0:
                 break
@@ -153,7 +145,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             computed = seq.num_computed_tokens
             total = len(seq.token_ids) + seq.num_pending_tokens
-            want = total - computed  # min() with budget; the builtin call costs ~100 ns
+            want = total - computed  # min(budget) without the builtin call
             if want > budget:
                 want = budget
             if want == 1 and computed < len(seq.block_table) * block_size:
@@ -205,9 +197,8 @@ class Scheduler:
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """(decode, prefill): running sequences with one token left to compute, and with
-        more, each oldest first. A decode sequence whose pending token is certain to end it
-        by length is left out: computing that token would be waste, and past max_model_len
-        it would not even have a KV slot."""
+        more, oldest first. A decode whose pending token surely ends it by length is left
+        out: that token would be waste, and past max_model_len it has no KV slot."""
         decode: list[Sequence] = []
         prefill: list[Sequence] = []
         max_len = self.max_model_len
@@ -244,8 +235,6 @@ class Scheduler:
         preempted.append(victim)
         return victim
 
-    # -- postprocess -----------------------------------------------------------------------
-
     def postprocess(self, output: SchedulerOutput,
                     sampled_token_ids: list[int | None]) -> list[Sequence]:
         """Advance the scheduled sequences by one step; return (and free) those finished."""
@@ -258,8 +247,7 @@ class Scheduler:
                                  f"token {token_id!r}")
         bm = self.block_manager
         finished: list[Sequence] = []
-        status_finished = SequenceStatus.FINISHED  # an Enum member lookup: ~70 ns on 3.11
-        # Attributes, not Sequence's properties: this runs for every row of every step.
+        status_finished = SequenceStatus.FINISHED  # hot loop: hoisted, and no properties
         for row, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
             seq = row.seq
             if seq.status is status_finished:

@@ -21,15 +21,10 @@ _FINISHED = SequenceStatus.FINISHED
 class Sequence:
     """A prompt and its outputs in one token list; the scheduler and block manager mutate it.
 
-    `num_cached_tokens` is the prompt-token count the prefix cache served at the *first*
-    schedule; a recompute after preemption does not change it (usage reports what the client
-    got from the cache, not the engine's own re-hits of blocks it computed for this request).
-    `arrival` is set by `Scheduler.add` (a per-scheduler counter) and orders FCFS priority.
-
-    With async scheduling a step is launched before the previous step's tokens reach the host:
-    `num_pending_tokens` (0 or 1) counts a token sampled on the device but not yet appended to
-    `token_ids`. Its KV slot is scheduled like any other token; the model runner reads the
-    token itself from the device.
+    `num_cached_tokens`: prompt tokens the prefix cache served at the *first* schedule (what
+    usage reports; recomputes after preemption do not change it). `arrival`: FCFS order, set
+    by `Scheduler.add`. `num_pending_tokens` (0 or 1): a token sampled on the device but not
+    yet in `token_ids` (async scheduling); its KV slot is scheduled like any other token.
     """
 
     __slots__ = (
@@ -49,9 +44,7 @@ class Sequence:
         self.num_pending_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
-        # Chained hashes of this sequence's full blocks, a memo of a pure function of
-        # token_ids (which only grow), so it survives preemption.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[int] = []  # memo of full blocks' hashes; survives preemption
         # Leading blocks of block_table that cache_full_blocks has already dealt with.
         self.num_hashed_blocks = 0
         self.status = SequenceStatus.WAITING

@@ -1,47 +1,27 @@
 """Tensor-parallel ranks: starting them, the per-step control channel, and liveness.
 
-Rank 0 is the engine's own ModelRunner (in the core process, or in the caller's process for
-the offline LLM); ranks 1..N-1 are processes started here. Each builds a ModelRunner on its
-shard and runs every forward pass rank 0 runs, with the same batch, so the collectives inside
-the model line up. Every rank ends a step with the same sampled tokens on its device, so a
-worker takes a pending input token (async scheduling: sampled by the previous step, not yet
-on any host) from there exactly as rank 0 does, and no rank waits for the host. How they get
-there is rank 0's choice per step (the message's flags):
-- SHARDED_SAMPLING: the batch's draws depend on nothing but temperature (the usual case).
-  Each rank draws over its own vocab shard and the ranks exchange only each row's best
-  (value, index): no logits gather, no token broadcast. A worker knows each sequence's
-  temperature and seed from its full row, and the output index from its prompt length.
-- otherwise (penalties, top-k/p, min-p, min_tokens, logprobs): the logits are gathered, rank
-  0 samples and broadcasts the tokens on the device.
+Rank 0 is the engine's own ModelRunner; ranks 1..N-1 are processes started here
+(engine_service/tp_worker_main.py, by subprocess: the daemonic core process may not have
+multiprocessing children). Every rank runs rank 0's batch, so the collectives line up, and ends
+the step with the same sampled tokens on its device, so pending input tokens never wait for a
+host. With SHARDED_SAMPLING (draws shaped by temperature alone) every rank draws over its vocab
+shard and the ranks exchange each row's best (value, index); otherwise rank 0 samples the
+gathered logits and broadcasts the tokens.
 
-Control channel: one socketpair per worker, one message per step, rank 0 -> worker (a worker
-writes back only "up" at start and its traceback when it fails). A worker keeps a mirror of the
-previous step's rows; a message is a flat int32 array, [flags], then one record per row:
+Control channel: a socketpair per worker, one message per step (a worker writes back only "up"
+and its traceback on failure). A message is a flat int32 array, [flags], then per row:
 
     delta row: [prev_row, num_new_tokens, sample, n_tok, n_blk, *new_tokens, *new_blocks]
     full row:  [-1,       num_new_tokens, sample, n_tok, n_blk, num_computed, num_prompt,
                 temperature (float32 bits), seed_hi, seed_lo, *tokens, *blocks]
 
-Tokens are those on rank 0's host when the step is sent; a row's last input token may still
-be pending on the device, and reaches the worker's mirror in a later message.
+`prev_row` indexes the previous step's rows; rows it does not name drop out of the worker's
+mirror. Tokens are those on rank 0's host when sent. An empty message means "stop".
 
-`prev_row` indexes the previous step's rows. A running sequence goes as a delta (a decode row
-is its one sampled token: 6 ints, 24 bytes, plus 4 more when it crossed into a new block); a
-new, preempted-and-readmitted or otherwise changed sequence goes in full. Rows of the
-previous step that the new step does not name (finished, preempted, aborted, paused) drop
-out of the mirror, so nothing else needs sending. An empty message (no flags) means "stop".
-
-Workers are started with subprocess, not multiprocessing: the engine core is a daemonic
-multiprocessing child, and those may not have multiprocessing children. The worker process
-itself is engine_service/tp_worker_main.py.
-
-Failure handling. Rank 0 checks its workers before every step (and the core loop asks while
-idle): a dead rank raises `RuntimeError("tensor-parallel rank N died ...")`. A collective that
-fails because a peer went away (gloo notices at once) is turned into the same error. Where a
-collective would wait forever instead (NCCL), a watchdog thread on rank 0 aborts the process
-group and, if rank 0 is still stuck, exits the process with a logged reason; rank 0 counts as
-possibly stuck while it launches a step and while it waits for a step's tokens. Workers exit when
-their control pipe closes or their parent process changes (rank 0 died, even by SIGKILL).
+A dead rank raises `RuntimeError("tensor-parallel rank N died ...")` before a step or from a
+failed collective; where a collective would hang instead (NCCL), a watchdog thread aborts the
+process group and, if rank 0 stays stuck, exits. Workers exit when their pipe closes or their
+parent changes.
 """
 
 from __future__ import annotations
@@ -90,13 +70,9 @@ STOP_TIMEOUT_S = 10.0
 UP = b"up"
 
 
-# ------------------------------------------------------------------------ control messages
-
-
 @dataclass(slots=True)
 class MirrorSeq:
-    """A worker's view of one sequence: what prepare_inputs and (for sharded sampling)
-    prepare_sampling read, nothing more."""
+    """A worker's view of one sequence: what prepare_inputs and prepare_sampling read."""
 
     seq_id: int  # the worker's own numbering: keys the previous step's sampled rows
     token_ids: list[int]
@@ -116,9 +92,8 @@ def _bits_float(bits: int) -> float:
 
 
 def _sampling_fields(seq: Sequence) -> tuple[int, int, int]:
-    """(temperature as float32 bits, seed high word, seed low word as a signed int32). The
-    worker draws with the float32 temperature rank 0's sampler uses (its near-zero cut
-    applied here, so rounding cannot move a row across it)."""
+    """(temperature as float32 bits, seed high word, seed low word as a signed int32); the
+    near-zero cut is applied here so rounding cannot move a row across it."""
     temperature = effective_temperature(seq.sampling_params.temperature)
     low = seq.seed & 0xFFFFFFFF
     return _float_bits(temperature), seq.seed >> 32, low - (1 << 32) if low >= 1 << 31 else low
@@ -169,9 +144,8 @@ class StepEncoder:
 
 
 def _still_mirrored(sent: _Sent, item: ScheduledSeq) -> bool:
-    """The worker's copy is a prefix of the row's sequence: same object (a request id can
-    come back as a new request), KV computed exactly as far as the last step left it, same
-    leading blocks (a preempted sequence readmitted with the same count may hold others)."""
+    """The worker's copy is a prefix of the row's sequence: same object (ids are reused),
+    computed as far as the last step left it, same leading blocks (preemption)."""
     seq = item.seq
     return (sent.seq is seq and item.start == sent.num_computed_tokens
             and seq.block_table[:len(sent.blocks)] == sent.blocks)
@@ -179,9 +153,8 @@ def _still_mirrored(sent: _Sent, item: ScheduledSeq) -> bool:
 
 def decode_step(message: bytes, prev: list[MirrorSeq], ids: Iterator[int]
                 ) -> tuple[list[ScheduledSeq], bool]:
-    """A worker's side: rebuild the batch from a message and the previous step's rows (a
-    full row becomes a new MirrorSeq numbered from `ids`), and whether every rank samples
-    its vocab shard this step."""
+    """A worker's side: (the batch rebuilt from a message and the previous step's rows,
+    whether sampling is sharded). Full rows become MirrorSeqs numbered from `ids`."""
     data = array("i")
     data.frombytes(message)
     values = data.tolist()
@@ -215,9 +188,6 @@ def finish_step(batch: list[ScheduledSeq]) -> list[MirrorSeq]:
     return [item.seq for item in batch]  # type: ignore[misc]
 
 
-# ------------------------------------------------------------------------ process group
-
-
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -246,9 +216,8 @@ def agree_on_num_kv_blocks(num_blocks: int, device: torch.device) -> int:
 
 def start_tensor_parallel(config: EngineConfig, rank: int,
                           device: torch.device) -> TPWorkers | None:
-    """Rank 0 of a tensor-parallel engine starts its workers and joins the group here; a
-    worker (rank > 0) has joined already. One tensor-parallel engine per process: the group
-    is the process-wide default one, which the layers read their shard from."""
+    """Rank 0 starts its workers and joins the group here (workers have joined already).
+    One TP engine per process: the group is the process-wide default one."""
     if rank != 0:
         return None
     if dist.is_available() and dist.is_initialized():
@@ -262,9 +231,6 @@ def start_tensor_parallel(config: EngineConfig, rank: int,
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs as many "
                          f"GPUs, found {torch.cuda.device_count()}")
     return TPWorkers(config, device)
-
-
-# ------------------------------------------------------------------------ rank 0's side
 
 
 class _Liveness:
@@ -317,8 +283,8 @@ class TPWorkers:
                     backend_for(device), init_method)
 
     def _wait_until_up(self) -> None:
-        """Each worker says "up" just before joining the group: a worker that cannot even
-        start fails here with its own error instead of leaving rank 0 in the rendezvous."""
+        """Each worker says "up" before joining the group, so one that cannot start fails
+        here with its own error, not in the rendezvous."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, conn in self.controls.items():
             while not conn.poll(WATCH_INTERVAL_S):
@@ -336,8 +302,6 @@ class TPWorkers:
         """Start-up collectives are done (the ModelRunner is built on every rank)."""
         self.live.busy_since = None
 
-    # -- steps --------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def step(self, batch: list[ScheduledSeq], sharded_sampling: bool) -> Iterator[None]:
         """Send the step to every worker, then let rank 0 launch it (under `guard`)."""
@@ -353,9 +317,8 @@ class TPWorkers:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Rank 0 may wait on the workers in here (a collective, or the device finishing a
-        step that holds one): the watchdog looks, and a dead rank becomes one clear
-        RuntimeError."""
+        """Rank 0 may wait on the workers in here: the watchdog looks, and a dead rank
+        becomes one clear RuntimeError."""
         self.live.busy_since = time.monotonic()
         try:
             yield
@@ -403,8 +366,6 @@ class TPWorkers:
         self.failed_because = message
         return RuntimeError(message + (f". Its error:\n{reason}" if reason else ""))
 
-    # -- stop ---------------------------------------------------------------------------
-
     def shutdown(self) -> None:
         # Not idle (start-up or a step broke off): the workers may wait in a collective.
         stuck = self.failed_because is not None or self.live.busy_since is not None
@@ -439,8 +400,8 @@ def _spawn_worker(config: EngineConfig, rank: int,
 
 
 def _watch(live: _Liveness) -> None:
-    """Rank 0's watchdog: a collective that waits on a dead rank (NCCL does not notice) would
-    hang the engine for good. Abort the group; if that does not free rank 0, exit."""
+    """Rank 0's watchdog: a collective waiting on a dead rank (NCCL does not notice) would
+    hang forever. Abort the group; if that does not free rank 0, exit."""
     dead_since: float | None = None
     aborted_at: float | None = None
     while not live.stop.wait(WATCH_INTERVAL_S):

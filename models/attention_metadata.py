@@ -1,10 +1,8 @@
 """Per-step attention inputs shared by every layer and every attention backend.
 
-A batch is flat: the query tokens of row b are tokens cu_seqlens_q[b]:cu_seqlens_q[b+1] of
-the step, and they are the LAST q_len_b positions of that row's context of seq_lens[b]
-tokens (so query i of row b sits at position seq_lens[b] - q_len_b + i). This one layout
-covers decode rows (q_len 1), full prefills (q_len == seq_len), prefix-cached prefills and
-prefill chunks (q_len < seq_len), all mixed in one batch.
+A batch is flat: row b's queries are tokens cu_seqlens_q[b]:cu_seqlens_q[b+1] of the step, the
+LAST q_len_b positions of its seq_lens[b]-token context (query i at seq_lens[b] - q_len_b + i).
+This covers decodes, prefills, prefix-cached prefills and chunks, mixed in one batch.
 """
 
 from __future__ import annotations
@@ -58,15 +56,10 @@ class AttentionMetadata:
 
 
 class BlockTableCache:
-    """Block tables packed as int32 bytes, kept from one step to the next by their caller
-    (the model runner). A decode row's table gains a block only once every block_size
-    steps, so nearly every row is reused as it is instead of converting each block id of
-    the batch again, which is most of the metadata's host cost at large batches.
-
-    Rows are found by the identity of the table list (a sequence keeps its list for life)
-    and reused only while the list still equals the copy the bytes were made from, so any
-    change to a table (growth, preemption, a recycled list) is packed afresh. Only the last
-    batch's rows are kept."""
+    """Block tables packed as int32 bytes, kept from one step to the next: a decode row's
+    table rarely changes, and converting every block id is most of the metadata's host cost
+    at large batches. Rows are keyed by the table list's identity and reused only while the
+    list equals the copy they were packed from. Only the last batch's rows are kept."""
 
     def __init__(self) -> None:
         self._rows: dict[int, tuple[list[int], bytes]] = {}  # id(table) -> (copy, bytes)
@@ -100,11 +93,8 @@ def make_attention_metadata(
     pad_block_id: int = 0,
     table_cache: BlockTableCache | None = None,
 ) -> AttentionMetadata:
-    """The one builder of attention metadata (model runner, profiling pass, tests): host
-    lists in, device tensors out. Every query token is stored at its position's slot,
-    computed on the device so long prompts cost no per-token Python; block_tables rows
-    are padded with `pad_block_id`. A caller that builds a batch every step passes its
-    `table_cache` so unchanged tables are not converted again."""
+    """The one builder of attention metadata: host lists in, device tensors out. Slots are
+    computed on the device (no per-token Python); tables are padded with `pad_block_id`."""
     if not len(query_lens) == len(seq_lens) == len(block_tables):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per row")
     for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
@@ -116,19 +106,12 @@ def make_attention_metadata(
     max_query_len = max(query_lens, default=0)
     decode_only = max_query_len == 1  # every q_len is >= 1
     width = max(map(len, block_tables), default=0)
-    if table_cache is not None:
-        padded = table_cache.pack(block_tables, width, pad_block_id)
-    else:
-        # numpy row assignment: ~4x faster than torch.tensor on padded nested lists.
-        padded = np.full((len(block_tables), width), pad_block_id, dtype=np.int32)
-        for row, table in enumerate(block_tables):
-            padded[row, :len(table)] = table
+    padded = (table_cache or BlockTableCache()).pack(block_tables, width, pad_block_id)
     cu_t = to_device(cu, torch.int32, device)  # [B + 1]
     seq_lens_t = to_device(seq_lens, torch.int32, device)  # [B]
     tables_t = host_to_device(torch.from_numpy(padded), device)  # [B, max_blocks]
     if decode_only:
-        # Token b is row b's query, at position seq_lens[b] - 1: half the device ops (kernel
-        # launches, on a GPU) of the general path, which gives the same slots.
+        # Token b is row b's query, at seq_lens[b] - 1: half the general path's device ops.
         positions = seq_lens_t.long() - 1  # [B]
         block_ids = tables_t.gather(1, (positions // block_size)[:, None]).squeeze(1)  # [B]
     else:

@@ -1,8 +1,5 @@
-"""Model configuration read from a Hugging Face checkpoint directory.
-
-One dataclass serves every family: the fields a family does not use keep their defaults.
-What nanoserve cannot run (another architecture, sliding-window attention, an activation
-or rope type it lacks) is refused here, before any weight is read, with the field named.
+"""Model configuration read from a Hugging Face checkpoint directory, one dataclass for every
+family. What nanoserve cannot run is refused here, before any weight is read, naming the field.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ def _as_int_list(value: object) -> list[int]:
 
 
 def _rope_theta(raw: dict) -> float:
-    # transformers >= 5 writes rope_parameters={"rope_theta": ...}; released checkpoints keep
-    # rope_theta at the top level.
+    # transformers >= 5 nests it in rope_parameters; released checkpoints keep it on top.
     if "rope_theta" in raw:
         return float(raw["rope_theta"])
     return float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
@@ -77,7 +73,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
     eos_token_id: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
     hidden_act: str = "silu"
     attention_bias: bool = False  # biases on q/k/v
     o_proj_bias: bool = False
@@ -188,7 +183,6 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             eos_token_id=eos,
-            bos_token_id=raw.get("bos_token_id"),
             hidden_act=str(raw.get("hidden_act", "silu")),
             attention_bias=attention_bias or arch in _QKV_BIAS_ALWAYS,
             o_proj_bias=attention_bias and arch not in _QKV_BIAS_ALWAYS,

@@ -6,8 +6,7 @@ from array import array
 
 import torch
 
-# Flat lists go through the array module: building a tensor from an array's buffer is several
-# times faster than torch.tensor(list), which matters for the per-step batch tensors.
+# Flat lists go through the array module: several times faster than torch.tensor(list).
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 
 

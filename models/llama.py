@@ -1,14 +1,9 @@
-"""Llama decoder, tensor-parallel aware: the base of every family nanoserve serves.
+"""Llama decoder, tensor-parallel aware: the base of every family nanoserve serves (Mistral
+as is, Qwen2 with q/k/v biases, Qwen3 and Qwen3-MoE in their own files).
 
-Mistral is this model as it is; Qwen2 adds q/k/v biases (a config field); Qwen3 adds a
-per-head RMSNorm on q and k (models/qwen3.py); Qwen3-MoE swaps the MLP of some layers for a
-mixture of experts (models/qwen3_moe.py).
-
-Each block (attention, MLP) takes the previous block's output, which is a partial sum over
-the tensor-parallel ranks, plus the residual and its input norm, and returns its own
-partial output and the new residual. That lets the block reduce, add, normalise and
-project its input in one call (models/layers/decode_ops.py: one launch at batch-1 decode
-on a GPU) with a single forward path for every batch size and device.
+Each block (attention, MLP) takes the previous block's output (a partial sum over the TP
+ranks), the residual and its input norm, and returns its own partial output and the new
+residual, so it can reduce, add, normalise and project in one call (models/layers/decode_ops.py).
 """
 
 from __future__ import annotations
@@ -59,8 +54,7 @@ class LlamaAttention(nn.Module):
         qkv, residual = norm_linear(tp_all_reduce(x), residual, norm.weight, norm.eps,
                                     self.qkv_proj.weight, self.qkv_proj.bias)
         q_norm, k_norm = self.qk_norm_weights()
-        # Rotary (and Qwen3's q/k norm) and the K/V store into the paged cache, one launch
-        # on a GPU; k and v come back only when there is no cache yet (the profiling pass).
+        # k and v come back only when there is no cache yet (the profiling pass).
         q, k, v = rope_store(qkv, positions, self.rotary_emb.cos_sin_cache,
                              self.rotary_emb.rotary_dim, q_norm, k_norm, self.qk_norm_eps,
                              self.attn.kv_cache, meta.slot_mapping, self.num_heads,

@@ -1,9 +1,6 @@
-"""Load Hugging Face safetensors checkpoints into the (tensor-parallel) model.
-
-Each checkpoint tensor is opened lazily (`safe_open(...).get_slice`) and handed to its
-parameter's `weight_loader`, which reads only this rank's rows or columns. Names of
-separate projections (q_proj, k_proj, ...) are mapped onto fused parameters through the
-model's `packed_modules_mapping`.
+"""Load Hugging Face safetensors checkpoints into the (tensor-parallel) model: each tensor is
+opened lazily and handed to its parameter's `weight_loader`, which reads only this rank's shard;
+separate projections map onto fused parameters through the model's `packed_modules_mapping`.
 """
 
 from __future__ import annotations
@@ -85,11 +82,8 @@ def _expected_sources(params: dict[str, nn.Parameter],
 
 @torch.no_grad()
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the safetensors checkpoint in `model_dir`.
-
-    Raises ValueError naming the tensors when the checkpoint lacks some the model needs,
-    has some the model does not know, or has a tensor of the wrong shape.
-    """
+    """Fill every parameter of `model` from the checkpoint in `model_dir`; ValueError names
+    the missing, unexpected or misshapen tensors."""
     mapping: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))

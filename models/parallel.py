@@ -1,20 +1,11 @@
-"""Tensor-parallel helpers.
+"""Tensor-parallel helpers over the default process group (one process per rank, NCCL on GPUs,
+gloo on CPU; without a group this process is rank 0 of 1 and collectives are identities).
 
-The tensor-parallel group is the default torch.distributed process group: one process per
-rank, NCCL on GPUs and gloo on CPU. Without an initialized group this process is rank 0 of 1
-and every collective is the identity.
-
-Checkpoint tensors reach the layers' weight loaders either as tensors or as safetensors
-slices (`safe_open(...).get_slice(name)`), so that a rank reads only its own rows or columns;
-`weight_shape` / `narrow_weight` / `full_weight` hide the difference.
-
-On CUDA, `init_fast_all_reduce` replaces NCCL for small all-reduces (the two per decoder
-layer of a decode step) with a one-shot or two-shot all-reduce over symmetric memory: every
-rank maps its peers' buffer over NVLink and one kernel sums them, without NCCL's per-call
-protocol overhead. Anything it does not cover, or any failure to set it up, goes to NCCL.
-`tp_argmax` is the vocab-parallel sampler's exchange: every rank's best (value, index)
-candidates of each row reduced to one index, identical on every rank. NVLink multicast
-(NVLS) is never used: it can take a shared host's GPUs out of service.
+Weight loaders get checkpoint tensors or safetensors slices (a rank reads only its shard);
+`weight_shape` / `narrow_weight` / `full_weight` hide the difference. On CUDA,
+`init_fast_all_reduce` sends small all-reduces through symmetric memory over NVLink, falling
+back to NCCL for anything else. NVLink multicast (NVLS) is never used: it can take a shared
+host's GPUs out of service.
 """
 
 from __future__ import annotations
@@ -82,10 +73,8 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 def _argmax_pairs(values: torch.Tensor, indices: torch.Tensor, dim: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce (value, index) pairs along `dim`: the largest value wins, the lowest index
-    among equal values; NaN, -inf and NO_INDEX pairs never win, and a slice with nothing
-    else gives (-inf, NO_INDEX). Exact (max and min only), so the order of the pairs along
-    `dim` never matters."""
+    """Reduce (value, index) pairs along `dim` with the race's tie rule (kernels/sample.py
+    best_candidate); exact, so the order of the pairs never matters."""
     ok = (values > float("-inf")) & (indices != NO_INDEX)  # NaN > -inf is False
     values = torch.where(ok, values, float("-inf"))
     top = values.amax(dim, keepdim=True)
@@ -95,16 +84,9 @@ def _argmax_pairs(values: torch.Tensor, indices: torch.Tensor, dim: int
 
 def tp_argmax(values: torch.Tensor, indices: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Collective: the index of each row's best candidate over every rank's candidates.
-
-    values float32 [B, S], indices int32 [B, S]: this rank's candidates of each row (e.g.
-    the per-chunk winners of its vocab shard, global indices). Returns int64 [B], identical
-    on every rank: the index of the largest value over all ranks' B x S candidates of the
-    row; among equal values the lowest index; NaN never wins; a row with nothing above -inf
-    (all -inf / NaN, or every index NO_INDEX) gives 0 (torch.argmax's answer for an all
-    -inf row). `out` (int64 [B], may be a view into a bigger static buffer) is written when
-    given and returned. A torch reduction around two all-gathers of [B]; one rank: the same
-    reduction locally."""
+    """Collective: int64 [B], the same on every rank, the index of each row's best candidate
+    over every rank's values float32 [B, S] / indices int32 [B, S]; 0 for a row with nothing
+    above -inf (torch.argmax's answer). Written into `out` when given."""
     assert values.dim() == 2 and values.shape == indices.shape, (
         f"values {tuple(values.shape)} and indices {tuple(indices.shape)} must be [B, S]")
     num_rows, num_candidates = values.shape
@@ -152,10 +134,7 @@ def check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: WeightSo
                          f"{list(expected)} (parameter shard {list(param.shape)})")
 
 
-# ------------------------------------------------------------------ fast all-reduce
-
-# Set before any NCCL communicator or symmetric memory exists. NVLink multicast objects
-# (NVLS) can take a shared host's GPUs out of service, so neither library may create one.
+# Set before any NCCL communicator or symmetric memory exists (NVLS: see the top).
 NO_MULTICAST_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}
 
 # [512, 8192] bf16: the largest decode batch of the widest model we serve.
@@ -164,10 +143,8 @@ DEFAULT_FAST_ALL_REDUCE_BYTES = 512 * 8192 * 2
 FAST_DTYPES = (torch.bfloat16, torch.float32)
 # The kernels move 16 bytes per thread; a message of another size goes to NCCL.
 FAST_ALIGN_BYTES = 16
-# One-shot: every rank reads each peer's whole message, behind one barrier. Two-shot: each
-# rank reduces 1/W of it and writes that slice to every peer, behind two barriers. With two
-# ranks both move the same bytes, so one-shot wins at every size; with more ranks two-shot
-# wins above a few hundred KiB (vLLM's custom all-reduce switches at these sizes on NVLink).
+# One-shot (each rank reads every peer's message) wins at any size with two ranks; with more,
+# two-shot (each reduces 1/W and scatters it) wins above these sizes, as in vLLM.
 ONE_SHOT_MAX_BYTES_UP_TO_4_RANKS = 512 * 1024
 ONE_SHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 
@@ -234,17 +211,10 @@ def _usable_symm_mem_device(device: torch.device) -> torch.device:
 
 
 class SymmMemAllReduce:
-    """Sum over the default process group through one symmetric-memory buffer per rank that
-    every peer maps (CUDA IPC over NVLink).
-
-    ONE_SHOT is one kernel: copy x into this rank's buffer, wait for the peers (signal
-    pads), sum every rank's buffer into x, wait again so no peer is still reading when the
-    next call overwrites the buffer. It can be captured in a CUDA graph once it has run
-    eagerly (`rendezvous` does): the buffer never moves, and each replay repeats the kernel
-    with its barriers, so every rank must replay the same graphs, as TP ranks do.
-
-    Construction only checks and allocates (no collective); `rendezvous` is collective.
-    `init_fast_all_reduce` is the fail-safe way to set one up."""
+    """Sum over the default group through one symmetric-memory buffer per rank that every peer
+    maps. Graph-capturable once run eagerly (`rendezvous` does); every rank must then replay
+    the same graphs. Construction is local, `rendezvous` collective; set it up through
+    `init_fast_all_reduce`, which falls back to NCCL on any failure."""
 
     def __init__(self, device: torch.device, max_bytes: int = DEFAULT_FAST_ALL_REDUCE_BYTES,
                  one_shot_max_bytes: int | None = None) -> None:
@@ -264,12 +234,11 @@ class SymmMemAllReduce:
         self._one_shot_copy_out = ops.one_shot_all_reduce_copy_out
         self._one_shot = ops.one_shot_all_reduce
         self._two_shot = ops.two_shot_all_reduce_
-        # Not from symm_mem.empty()'s pool: close() must really free it. A pooled block
-        # would come back to a later engine's group (named "0" again) with this group's
-        # rendezvous still cached on it.
+        # Not from symm_mem.empty()'s pool: close() must really free it, or a later engine's
+        # group (named "0" again) would get it back with this rendezvous still cached.
         self._buffer: torch.Tensor | None = _SymmetricMemory.empty_strided_p2p(
             (max_bytes,), (1,), torch.uint8, self.device)
-        self._handle: Any = None
+        self._handle: Any = None  # keeps the peers' mappings alive
         # One view per dtype of the same storage: [max_bytes // itemsize] each.
         self._views = {dtype: self._buffer.view(dtype) for dtype in FAST_DTYPES}
 
@@ -301,14 +270,8 @@ class SymmMemAllReduce:
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's `x` side by side along the last dim, or None where NCCL should do it.
-
-        The gather is a sum of zero-padded copies: each rank writes its `x` into its own
-        columns of a zeroed buffer and the fast all-reduce adds the buffers, which is exact
-        (x + 0 is x in every dtype). A decode step's logits ([1, vocab] bf16, 300 KB) then
-        take one symmetric-memory kernel instead of an NCCL all-gather with its per-call
-        protocol and stream hand-offs. Like `all_reduce`, the branch depends only on what
-        every rank shares (dtype, size, settings)."""
+        """Every rank's `x` side by side along the last dim, or None where NCCL should do it:
+        an all-reduce of zero-padded copies, which is exact (x + 0 is x)."""
         width = x.shape[-1]
         nbytes = x.numel() * x.element_size() * self.world_size
         if not x.is_cuda or choose_algorithm(x.dtype, nbytes, self.max_bytes,
@@ -343,14 +306,11 @@ class SymmMemAllReduce:
 
 @dataclass
 class _FastAllReduceState:
-    """This process's fast all-reduce: process-wide, like the default process group it
-    serves (layers call `tp_all_reduce` without a handle), and like it one engine's at a
-    time."""
+    """This process's fast all-reduce: process-wide, like the default group it serves."""
 
     impl: SymmMemAllReduce | None = None
-    # Symmetric-memory rendezvous this process has run. torch numbers its store keys per
-    # process, so ranks that ran different numbers (fresh workers beside a rank 0 that
-    # hosted an earlier engine) would wait for each other's keys until the store times out.
+    # torch numbers rendezvous store keys per process: ranks that ran different numbers of
+    # rendezvous (a rank 0 that hosted an earlier engine) would wait on each other's keys.
     rendezvous_count: int = 0
     rendezvous_broke_off: bool = False  # the numbering is unknown from then on
 
@@ -384,12 +344,9 @@ def _fall_back(fast: SymmMemAllReduce | None, error: BaseException | None) -> bo
 def init_fast_all_reduce(device: torch.device,
                          max_bytes: int = DEFAULT_FAST_ALL_REDUCE_BYTES,
                          one_shot_max_bytes: int | None = None) -> bool:
-    """Route `tp_all_reduce` through symmetric memory for messages up to `max_bytes`.
-
-    Collective: every rank calls it after the default process group exists and before any
-    CUDA graph is captured. Returns whether the fast path is on; off (CPU, one rank) it is
-    NCCL/gloo as before, and when anything fails on any rank, every rank logs one warning
-    and stays on NCCL."""
+    """Collective, before any graph capture: route `tp_all_reduce` through symmetric memory
+    for messages up to `max_bytes`. Returns whether it is on; if anything fails on any rank,
+    every rank logs one warning and stays on NCCL."""
     close_fast_all_reduce()
     if device.type != "cuda" or get_tp_size() == 1:
         return False

@@ -1,10 +1,6 @@
-"""Qwen3-MoE: Qwen3 whose MLP is, in most layers, a mixture of experts.
-
-Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
-The router is replicated on every rank; the experts are sharded over the ranks
-(models/layers/fused_moe.py) and, like a row-parallel layer, each rank returns its partial
-sum, which the next RMSNorm reduces.
-"""
+"""Qwen3-MoE: Qwen3 whose MLP is, in most layers (ModelConfig.is_moe_layer), a mixture of
+experts. The router is replicated; the experts are sharded and each rank returns its partial
+sum, which the next RMSNorm reduces."""
 
 from __future__ import annotations
 

@@ -83,32 +83,23 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Any:
     return tokenizer
 
 
-def _hf_config(vocab_size: int, ids: dict[str, int], *, hidden_size: int,
-               intermediate_size: int, num_hidden_layers: int, num_attention_heads: int,
-               num_key_value_heads: int, head_dim: int, max_position_embeddings: int,
-               tie_word_embeddings: bool, weight_std: float) -> dict:
+def _hf_config(vocab_size: int, ids: dict[str, int], weight_std: float, **shape: Any) -> dict:
+    """config.json; `shape`: make_tiny_model's size arguments, under their HF names."""
     return {
+        **shape,
         "architectures": ["Qwen3ForCausalLM"],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": ids[ENDOFTEXT],
         "eos_token_id": ids[IM_END],
-        "head_dim": head_dim,
         "hidden_act": "silu",
-        "hidden_size": hidden_size,
         "initializer_range": weight_std,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "max_window_layers": num_hidden_layers,
+        "max_window_layers": shape["num_hidden_layers"],
         "model_type": "qwen3",
-        "num_attention_heads": num_attention_heads,
-        "num_hidden_layers": num_hidden_layers,
-        "num_key_value_heads": num_key_value_heads,
         "rms_norm_eps": 1e-6,
         "rope_scaling": None,
         "rope_theta": 1000000.0,
         "sliding_window": None,
-        "tie_word_embeddings": tie_word_embeddings,
         "torch_dtype": "float32",
         "use_cache": True,
         "use_sliding_window": False,
@@ -117,12 +108,9 @@ def _hf_config(vocab_size: int, ids: dict[str, int], *, hidden_size: int,
 
 
 def _random_state_dict(config: dict, seed: int, weight_std: float) -> dict:
-    """Build transformers' Qwen3ForCausalLM and fill it from a seeded generator.
-
-    Linears and embeddings ~ normal(0, weight_std): std ~0.2 gives peaked next-token
-    distributions, so greedy decoding is robust to float32 summation order. Norm weights
-    ~ 1 + normal(0, 0.1) rather than exactly 1, so a norm applied in the wrong place shows.
-    """
+    """transformers' Qwen3ForCausalLM filled from a seeded generator: weights ~ N(0, std)
+    (peaked distributions, so greedy decoding survives float32 summation order), norm weights
+    ~ 1 + N(0, 0.1) (so a misplaced norm shows)."""
     import torch
     from transformers import Qwen3Config as HFQwen3Config
     from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
@@ -202,11 +190,11 @@ def make_tiny_model(
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     config = _hf_config(
-        vocab_size, ids, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, weight_std=weight_std)
+        vocab_size, ids, weight_std, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings)
     state = _random_state_dict(config, seed, weight_std)
 
     _remove_old_weights(out_dir)

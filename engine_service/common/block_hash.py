@@ -1,8 +1,6 @@
-"""Prefix-cache block hashes, shared by the block manager and the router.
-
-Torch-free on purpose: the router imports this module and its pod has no torch. A block's
-hash chains its parent's hash with its own token ids, so equal hashes mean (up to xxh3
-collisions, which the block manager confirms against stored token ids) an equal prefix.
+"""Prefix-cache block hashes, shared by the block manager and the (torch-free) router. A
+block's hash chains its parent's with its token ids, so equal hashes mean an equal prefix (up
+to xxh3 collisions, which the block manager checks against stored token ids).
 """
 
 from __future__ import annotations

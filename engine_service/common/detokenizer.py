@@ -1,20 +1,11 @@
-"""Incremental detokenization with stop strings, for streamed generation.
+"""Incremental detokenization with stop strings, for streamed generation (torch-free).
 
-Torch-free. Tokens arrive a few at a time; each update returns only text that is final: no
-trailing U+FFFD from a character whose UTF-8 bytes are split over tokens that have not all
-arrived, and nothing that could still turn out to be the start of a stop string. The deltas
-concatenate to exactly `tokenizer.decode(output ids)` (when no stop string cuts the text).
-
-Decoding follows vLLM's prefix_offset/read_offset scheme: the tokens up to read_offset are
-final; each step decodes only the window from prefix_offset (the previous read_offset) and
-subtracts the window's already-final text, so a step costs the same at token 10 and token
-10 000, and tokenizers whose first token decodes differently (SentencePiece's stripped leading
-space) still come out right.
-
-One limit: tokenizers' ByteFallback decoder (Llama-2 style <0xNN> tokens) turns a whole run of
-byte tokens into U+FFFDs when any byte in it is invalid, even bytes that already formed a
-character; text already streamed cannot follow that, so for such tokenizers the deltas equal
-decode() whenever the byte tokens form valid UTF-8 (always, for real text).
+Each update returns only final text: no trailing U+FFFD of a character split over tokens not
+yet arrived, nothing that may still start a stop string. The deltas concatenate to exactly
+`tokenizer.decode(output ids)` (unless a stop string cuts it). Decoding follows vLLM's
+prefix_offset/read_offset scheme, so a step costs the same at token 10 and token 10 000.
+Limit: ByteFallback decoders (Llama-2 <0xNN> tokens) turn a whole run of byte tokens into
+U+FFFDs when any is invalid, so there the deltas equal decode() only for valid UTF-8.
 """
 
 from __future__ import annotations
@@ -25,8 +16,7 @@ from dataclasses import dataclass
 from engine_service.common.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"  # what lossy UTF-8 decoding puts where bytes are missing or invalid
-# Undecodable tokens allowed to pile up before a byte-level window looks for a cut point. Real
-# text never gets near it (a character is at most 4 bytes); random or garbage ids do.
+# Undecodable tokens a byte-level window holds before it looks for a cut (a char is <= 4 bytes).
 _MAX_PENDING = 8
 
 
@@ -39,12 +29,7 @@ class DetokenizerUpdate:
 
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas and watches its stop strings.
-
-    The text deliberately starts at the first output token (no prompt context): the streamed
-    text must equal decode(output ids), which is what a unary reply and transformers give.
-    Decoding across the prompt would glue a character split at the prompt boundary, or a
-    SentencePiece leading space, onto the output.
-    """
+    No prompt context, on purpose: the streamed text must equal decode(output ids)."""
 
     def __init__(
         self,
@@ -78,10 +63,8 @@ class IncrementalDetokenizer:
         return self._emit(new_text, final=False)
 
     def finish(self) -> str:
-        """The request ended for another reason (eos, length, abort): release all held text.
-
-        A stop string completed by the released text still cuts it (and sets `stopped`).
-        """
+        """The request ended for another reason: release all held text (a stop string it
+        completes still cuts it)."""
         if self.stopped:
             return ""
         text = self._decode(self._window)
@@ -89,16 +72,13 @@ class IncrementalDetokenizer:
         self._window, self._read_offset, self._prefix_text = [], 0, ""
         return self._emit(tail, final=True).text_delta
 
-    # ---- tokens -> final text ---------------------------------------------------------------
-
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self, new_token_ids: Sequence[int]) -> str:
         """Text that became final with these tokens ("" while a character is incomplete)."""
-        # Tokens decode() drops anyway never enter the window, so its first token always shows:
-        # decoders that treat the first token specially (SentencePiece strips its leading
-        # space) must see the same first token in every decode of the window.
+        # Tokens decode() drops never enter the window: decoders that treat the first token
+        # specially (SentencePiece's leading space) must see the same one every time.
         skipped = self.tokenizer.skipped_special_ids if self.skip_special_tokens else ()
         visible = [i for i in new_token_ids
                    if i not in skipped and self.tokenizer.is_known_id(i)]
@@ -131,15 +111,9 @@ class IncrementalDetokenizer:
         return delta
 
     def _cut_undecodable(self, text: str) -> str:
-        """Garbage bytes keep the window ending in U+FFFD; find a token boundary whose text is
-        final anyway, so the window (and the cost of a step) stays bounded.
-
-        For lossy UTF-8 a boundary `cut` with non-empty text after it is final exactly when
-        decode(before) + decode(after) == decode(all): were a character still open at `cut`, the
-        bytes after it would either complete it or decode to extra U+FFFDs, and the two sides
-        would differ. Only byte-level decoders get here: ByteFallback decodes a whole run of
-        byte tokens to U+FFFDs when any of them is bad, which breaks that argument.
-        """
+        """Garbage bytes keep the window ending in U+FFFD: find a token boundary whose text
+        is final anyway, so the window stays bounded. For lossy UTF-8 (byte-level decoders
+        only) a cut is final exactly when decode(before) + decode(after) == decode(all)."""
         for cut in range(len(self._window) - 1, self._read_offset, -1):
             after = self._decode(self._window[cut:])
             if not after:
@@ -150,8 +124,6 @@ class IncrementalDetokenizer:
                 self._window, self._read_offset, self._prefix_text = self._window[cut:], 0, ""
                 return delta
         return ""
-
-    # ---- final text -> deltas, stop strings --------------------------------------------------
 
     def _emit(self, new_text: str, final: bool) -> DetokenizerUpdate:
         # Sent text never holds the start of a stop string (that part is held), so a match can
@@ -170,11 +142,8 @@ class IncrementalDetokenizer:
         return DetokenizerUpdate(delta, self.stopped, self.stop_string)
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """The stop string that ends first in `text` (ties: the longer one), and where it starts.
-
-        Ending first is what a character-by-character scan sees, so the cut does not depend on
-        how the tokens were grouped into updates.
-        """
+        """(start, stop string) of the one ending first in `text` (ties: the longer), as a
+        character scan sees it, so the cut does not depend on how tokens were grouped."""
         best: tuple[int, str] | None = None
         for stop in self.stop:
             start = text.find(stop)

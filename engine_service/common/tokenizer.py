@@ -1,10 +1,7 @@
-"""Tokenizer shared by engines and routers, built on `tokenizers` and jinja2 only.
-
-Torch- and transformers-free on purpose: the router pod imports this module. It reads the same
-files as `transformers.AutoTokenizer` (tokenizer.json, tokenizer_config.json, ...) and follows
-its rules where they change results: which special tokens exist, which chat template wins, how
-the template is rendered. An engine streams `Tokenizer.files` through GetTokenizer and a router
-rebuilds the same tokenizer with `Tokenizer.from_files`.
+"""Tokenizer shared by engines and routers, on `tokenizers` and jinja2 only (the router pod has
+no torch or transformers). It reads `transformers.AutoTokenizer`'s files and follows its rules
+where they change results (special tokens, chat template choice and rendering). An engine
+streams `Tokenizer.files` through GetTokenizer; a router rebuilds it with `Tokenizer.from_files`.
 """
 
 from __future__ import annotations
@@ -82,8 +79,6 @@ class Tokenizer:
         root = Path(path)
         return cls({n: (root / n).read_bytes() for n in TOKENIZER_FILES if (root / n).is_file()})
 
-    # ---- vocabulary -------------------------------------------------------------------------
-
     @property
     def vocab_size(self) -> int:
         """len(AutoTokenizer): the model vocab plus added tokens (may be < the model's rows)."""
@@ -127,20 +122,15 @@ class Tokenizer:
             return self.token_to_id(tokens)
         return [self.token_to_id(t) for t in tokens]
 
-    # ---- text <-> ids -----------------------------------------------------------------------
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode holds it): a long text
         # tokenized on a worker thread then leaves the event loop free.
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        # Ids the tokenizer does not know (a model's padded vocab rows) decode to nothing, as in
-        # transformers. clean_up_tokenization_spaces is not applied: transformers ignores it for
-        # BPE models, which every model nanoserve serves uses.
+        # Unknown ids (padded vocab rows) decode to nothing, as in transformers; no
+        # clean_up_tokenization_spaces: transformers ignores it for BPE models.
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    # ---- chat -------------------------------------------------------------------------------
 
     def apply_chat_template(
         self,
@@ -150,10 +140,8 @@ class Tokenizer:
         documents: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render the model's chat template, as transformers' apply_chat_template(tokenize=False).
-
-        Extra keyword arguments reach the template (e.g. Qwen3's `enable_thinking=False`).
-        """
+        """Render the chat template, as transformers' apply_chat_template(tokenize=False);
+        extra keyword arguments reach the template (e.g. `enable_thinking=False`)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template; send text or token ids instead")
         if not messages:
@@ -177,8 +165,6 @@ class Tokenizer:
         """Token ids of the rendered chat; the template already placed every special token."""
         text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
-
-    # ---- loading helpers --------------------------------------------------------------------
 
     def _add_missing_tokens(self, config: Mapping[str, Any]) -> None:
         """Add the tokens the config names but tokenizer.json lacks, as transformers does."""
@@ -258,9 +244,6 @@ def _pick_chat_template(files: Mapping[str, bytes], config: Mapping[str, Any]) -
     return template
 
 
-# ---- chat template environment (mirrors transformers' render_jinja_template) ----------------
-
-
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; a
     server only needs the body rendered, but templates that use it must still parse."""
@@ -316,7 +299,8 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _compile_chat_template(template: str) -> jinja2.Template:
-    # Templates come with model checkpoints, i.e. from strangers: always the immutable sandbox.
+    # transformers' render_jinja_template, always in the immutable sandbox: templates come
+    # with model checkpoints, i.e. from strangers.
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )

@@ -1,14 +1,9 @@
 """Attention backend on flash-attn 2 (`pip install flash-attn`), imported lazily.
 
-flash-attn reads the paged cache in our layout: kv_cache[0] / kv_cache[1] are
-`[num_blocks, block_size, num_kv_heads, head_dim]`, the `k_cache`/`v_cache` its paged
-kernels take with `block_table [B, max_blocks] int32`. Its paged kernels need a block size
-that is a multiple of 256. Both of its calls align the causal mask bottom-right, which is
-our layout: the query tokens are the last positions of each row's context.
-
-Decode-only batches go through `flash_attn_with_kvcache` (CUDA-graph capturable: static
-query, kv_cache, seq_lens, block_tables; host fields unused); mixed batches through
-`flash_attn_varlen_func`, which needs the host ints max_query_len / max_seq_len.
+flash-attn's paged kernels read our cache layout as is but need block sizes that are multiples
+of 256; their causal masks align bottom-right, as our queries are each row's last positions.
+Decode-only batches use `flash_attn_with_kvcache` (CUDA-graph capturable), mixed batches
+`flash_attn_varlen_func`.
 """
 
 from __future__ import annotations
@@ -39,16 +34,14 @@ class FlashAttnBackend:
 
     def __init__(self) -> None:
         self._fa = _import_flash_attn()
-        # Same cache layout as the triton backend, so its store kernel serves here too
-        # (triton ships with CUDA torch; imported here, not at module top, like flash_attn).
+        # The triton backend's store kernel (same cache layout); imported lazily like flash_attn.
         from models.kernels.store_kv import store_kv
 
         self._store_kv = store_kv
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """key/value [T, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at
-        slot_mapping [T] (slot -1: skipped)."""
+        """key/value [T, Hkv, D] -> kv_cache at slot_mapping [T] (slot -1: skipped)."""
         self._store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

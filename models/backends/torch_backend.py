@@ -1,8 +1,5 @@
-"""Reference attention in plain torch: correct and readable first, fast never.
-
-Used on CPU and as the reference the other backends are tested against. It walks the batch
-row by row on the host, so it is not CUDA-graph capturable.
-"""
+"""Reference attention in plain torch, used on CPU and as the other backends' reference. It
+walks the batch row by row on the host, so it is not CUDA-graph capturable."""
 
 from __future__ import annotations
 
@@ -14,11 +11,8 @@ from models.attention_metadata import AttentionMetadata
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """Causal attention of one row in float32.
-
-    query [q_len, H, D] holds the LAST q_len positions of the context key/value
-    [kv_len, Hkv, D]: query i sits at position kv_len - q_len + i and sees keys 0..that.
-    """
+    """Causal attention of one row in float32: query [q_len, H, D] holds the LAST q_len
+    positions of the context key/value [kv_len, Hkv, D]."""
     q_len, num_heads, _ = query.shape
     kv_len, num_kv_heads, _ = key.shape
     group = num_heads // num_kv_heads
@@ -43,9 +37,8 @@ def _host_lists(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """key/value [T, Hkv, D] -> kv_cache[0/1] ([2, num_blocks, block_size, Hkv, D]) at slot =
-    block_id * block_size + offset; tokens with slot -1 are skipped. The boolean mask reads
-    the slots back, so this is not CUDA-graph capturable (models/kernels/store_kv.py is)."""
+    """key/value [T, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping
+    (slot -1: skipped). The boolean mask reads the slots back: not CUDA-graph capturable."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     # view (not reshape): a copy would silently drop the writes.
     k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
@@ -84,8 +77,8 @@ class TorchAttentionBackend:
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention over this step's own tokens per row (no cache yet, so every
-        row's context is exactly its query tokens). query [T, H, D], key/value [T, Hkv, D]."""
+        """Causal attention over each row's own tokens (no cache yet). query [T, H, D],
+        key/value [T, Hkv, D]."""
         _, cu = _host_lists(meta)
         out = torch.empty_like(query)
         for row in range(len(cu) - 1):

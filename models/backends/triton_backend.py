@@ -1,18 +1,10 @@
 """Attention backend on nanoserve's own Triton kernels (any KV block size).
 
-CUDA-graph capture of `forward` works for `meta.decode_only` batches: the launch then
-depends only on the batch size, the head layout, the dtype and the SM count, and every
-per-step value is read on the device. What must be static across replays (same storage,
-same shape): `query`, `kv_cache`, `meta.cu_seqlens_q` [B+1], `meta.seq_lens` [B],
-`meta.block_tables` [B, max_blocks] (fixed width) and, for `store_kv`, `key`, `value`,
-`meta.slot_mapping` [B]. Host fields (`max_query_len`, `max_seq_len`, `seq_lens_cpu`,
-`cu_seqlens_q_cpu`) are not read on the decode path. Padding rows of a graph batch may use
-seq_len 0 (output zeros) and slot -1 (nothing stored).
-
-Split-KV launches merge their partitions through int32 arrival counters that every launch
-leaves zeroed; the backend keeps one such buffer per device and passes it to every launch
-(eager and captured alike), so it must be created by an eager step before any capture —
-the warm-up that compiles the kernels does that — and its launches run on one stream.
+`forward` is CUDA-graph capturable for `meta.decode_only` batches: the launch depends only on
+the batch size, head layout, dtype and SM count, and every per-step value (query, kv_cache,
+cu_seqlens_q, seq_lens, fixed-width block_tables, slot_mapping) is read on the device. Padding
+rows may use seq_len 0 and slot -1. The split-KV counter buffer (one per device, shared by every
+launch on one stream) must be created by an eager step before any capture, as warm_up does.
 """
 
 from __future__ import annotations
@@ -30,9 +22,8 @@ from models.kernels.store_kv import store_kv
 
 # SM count assumed off-GPU (TRITON_INTERPRET runs on CPU tensors).
 _CPU_NUM_SMS = 8
-# Split-KV counters per device (256 KiB). choose_launch splits only launches of fewer than
-# 2 * num_sms programs, whose tiles need < 4 * num_sms counters; the buffer is never
-# regrown because captured graphs keep its address.
+# Split-KV counters per device (256 KiB; split launches need < 4 * num_sms). Never regrown:
+# captured graphs keep its address.
 _NUM_SPLIT_COUNTERS = 1 << 16
 
 
@@ -75,18 +66,13 @@ class TritonAttentionBackend:
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """key/value [T, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at
-        slot_mapping [T] (slot -1: skipped)."""
+        """key/value [T, Hkv, D] -> kv_cache at slot_mapping [T] (slot -1: skipped)."""
         store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """query [T, H, D] -> [T, H, D] (written into `out` when given).
-
-        A mixed batch whose first rows are decode rows (the scheduler puts them first) runs
-        as two launches of the same kernel: the decode rows with one-token tiles, the rest
-        with prefill tiles, so decode rows do not pay for prefill-sized tiles.
-        """
+        """query [T, H, D] -> [T, H, D] (written into `out` when given). A mixed batch's
+        leading decode rows launch on their own with one-token tiles."""
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         cu = meta.cu_seqlens_q_cpu
@@ -126,10 +112,8 @@ class TritonAttentionBackend:
                         counters=self.split_kv_counters(query.device))
 
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
-        """Compile every attention launch variant for this layer layout now (one tiny batch
-        each), so none compiles in the middle of serving: a compile there stalls every
-        request in the step for a second. kv_cache [2, num_blocks, block_size, Hkv, D]; its
-        block 0 is read, nothing is written to it."""
+        """Compile every launch variant for this layout now, not mid-serving (a compile
+        stalls the step for a second). Reads block 0 of kv_cache, writes nothing."""
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         device, dtype = kv_cache.device, kv_cache.dtype
         query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
@@ -144,12 +128,8 @@ class TritonAttentionBackend:
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention over each row's own tokens (profiling pass, no cache yet).
-
-        The step's key/value act as a cache of block size 1 whose block table maps row b's
-        position i to token cu_seqlens_q[b] + i, so the same kernel (and its memory
-        footprint) runs.
-        """
+        """Causal attention over each row's own tokens (profiling pass): key/value act as a
+        cache of block size 1, row b's position i at token cu_seqlens_q[b] + i."""
         num_tokens, num_heads, _ = query.shape
         num_kv_heads = key.shape[1]
         cu = meta.cu_seqlens_q  # [B + 1] int32

@@ -1,34 +1,13 @@
-"""GEMV for decode linears at tiny batch sizes, with the decoder layer's neighbours optionally
-folded in: `[x + residual ->] [RMSNorm ->] x @ W.T [+ bias] [-> SiLU-and-mul]`.
+"""GEMV for decode linears at tiny batch sizes, with the layer's neighbours optionally folded
+in: `[x + residual ->] [RMSNorm ->] x @ W.T [+ bias] [-> SiLU-and-mul]`.
 
-At batch 1 a linear layer is one pass over its weight ([N, K], nn.Linear layout), so its time
-is the weight's bytes over the bandwidth reached; cuBLAS's GEMM tiles, built for larger M,
-reach a fraction of it there. The add + RMSNorm before qkv_proj / gate_up_proj and the
-SiLU-and-mul after gate_up_proj touch one [1, hidden] row each: nothing next to the weight
-stream, but a launch each. Folding them in removes those launches.
-
-Tile: each program owns BLOCK_N output columns of one row of x (with SILU_MUL, BLOCK_N gate
-rows n and the matching up rows I + n, so the activation needs no second pass) and streams
-their weight rows along K in `[BLOCK_N, BLOCK_K // VEC, VEC]` tiles, VEC elements = 16 bytes
-contiguous along K, into float32 per-thread partials; lanes and warps along K are reduced once,
-after the loop. Programs are `(column tile, row of x)` flattened with the rows of a tile
-adjacent, so at M > 1 the later rows find the tile's weights in L2; M = 1 is the case that
-matters (decode of a single sequence).
-
-NORM: the statistics need all of K before any tile is normalized, and programs do not talk to
-each other, so every program computes them from x (+ residual), a first pass over K from L2,
-then re-reads x in the GEMV loop. The first weight tile is loaded before that pass (and before
-the PDL wait), so its HBM latency hides behind it. The program of column tile 0 alone writes
-the new residual, into a fresh buffer: the others still read x and the old residual.
-
-Numerics are the torch path's (models/layers/layernorm.py, F.linear, activation.py), rounding
-to the dtype at the same points: x + residual rounded; rms_norm's float32 statistics, the
-normalized value rounded, then times the norm weight rounded; the linear in float32, bias
-added, rounded; silu(gate) rounded, times up, rounded.
-
-Programmatic dependent launch (sm_90+, not in the interpreter): the launch may start while the
-kernel before it finishes; everything before `gdc_wait` reads only weights, which no kernel
-writes. Nothing is read back to the host: calls can be captured in CUDA graphs.
+At batch 1 a linear is one pass over its weight, which cuBLAS's GEMM tiles stream at a fraction
+of the bandwidth; folding in the add + norm and the activation saves their launches. Each
+program owns BLOCK_N output columns of one row of x (with SILU_MUL, the gate rows and matching
+up rows) and streams their weight along K in 16-byte vectors into float32 partials. With NORM
+every program recomputes the row statistics (programs do not talk to each other); column tile 0
+alone writes the new residual. Numerics round to the dtype at the torch path's points. With
+PDL (sm_90+) everything before `gdc_wait` reads only weights. No host reads: graph-capturable.
 """
 
 from __future__ import annotations
@@ -52,11 +31,8 @@ class GemvConfig:
 
 
 def choose_config(n_out: int, k: int, dtype: torch.dtype, norm: bool = False) -> GemvConfig:
-    """Launch shape from the problem alone (no per-model table): 16-byte weight vectors,
-    2048-wide K steps in bf16 (1024 in fp32), 4 warps up to K = 2048 and 8 beyond. One
-    weight row a program keeps thousands of programs in flight at decode widths; two rows
-    where the norm is folded in (they halve the statistics passes every program pays) and
-    where N is vocabulary-sized (there the per-program overhead dominates)."""
+    """Launch shape from the problem alone. Two weight rows a program where the norm is folded
+    in (halves the statistics passes) or N is vocabulary-sized; else one."""
     num_warps = 4 if k <= 2048 else 8
     block_k = min(triton.next_power_of_2(k), 4096 // dtype.itemsize)
     block_k = max(block_k, 16 // dtype.itemsize)
@@ -79,9 +55,6 @@ def pdl_enabled(device: torch.device) -> bool:
                           else torch.cuda.current_device())
 
 
-# --------------------------------------------------------------------------- kernel
-
-
 @triton.jit
 def _load(ptrs, k0, k_in, K, EVEN_K: tl.constexpr):
     if EVEN_K:
@@ -91,9 +64,7 @@ def _load(ptrs, k0, k_in, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _load_sum(x_ptrs, r_ptrs, k0, k_in, K, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr):
-    """A tile of x (+ residual), rounded once to the dtype as torch's add is. The add runs in
-    float32 (one rounding gives the same result; the interpreter would add bf16 bit patterns
-    as integers)."""
+    """A tile of x (+ residual), added in float32 and rounded once, as torch's add is."""
     s = _load(x_ptrs, k0, k_in, K, EVEN_K)
     if HAS_RESIDUAL:
         r = _load(r_ptrs, k0, k_in, K, EVEN_K)
@@ -103,8 +74,7 @@ def _load_sum(x_ptrs, r_ptrs, k0, k_in, K, HAS_RESIDUAL: tl.constexpr, EVEN_K: t
 
 @triton.jit
 def _normalize(s, nw, rstd):
-    """rms_norm's casts: normalized in float32, rounded to the dtype, times the norm weight
-    (a float32 product rounded once)."""
+    """rms_norm's casts: normalized in float32, rounded, times the weight, rounded."""
     dtype = s.dtype
     normed = (s.to(tl.float32) * rstd).to(dtype)
     return (nw.to(tl.float32) * normed.to(tl.float32)).to(dtype)
@@ -133,8 +103,7 @@ def _decode_gemv_kernel(
     k_in = tl.arange(0, KV)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     k_in = k_in[None, :, :]  # [1, KV, VEC]
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    # The last tile re-reads row N - 1 instead of masking every weight load; its stores are
-    # masked.
+    # The last tile re-reads row N - 1 rather than masking every weight load (stores are masked).
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     w_ptrs = w_ptr + rows[:, None, None] * K + k_in  # [BLOCK_N, KV, VEC]
     up_ptrs = w_ptr + (rows + N)[:, None, None] * K + k_in  # SILU_MUL: the up half's rows
@@ -182,8 +151,7 @@ def _decode_gemv_kernel(
         if SILU_MUL:
             acc_up += _partials(u_t, h_t)
 
-    # The cross-lane / cross-warp part of the K reduction, once per program; each linear
-    # output rounded to the dtype as F.linear's would be.
+    # The cross-lane/warp part of the K reduction, once; outputs rounded as F.linear's are.
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=1)  # [BLOCK_N] float32
     if HAS_BIAS:
@@ -199,9 +167,6 @@ def _decode_gemv_kernel(
     tl.store(out_ptr + m * stride_om + offs_n, y, mask=offs_n < N)
 
 
-# --------------------------------------------------------------------------- launcher
-
-
 def decode_gemv(
     x: torch.Tensor,  # [M, K], last dim contiguous
     weight: torch.Tensor,  # [N, K] contiguous, x's dtype; [2I, K] (gate | up) with silu_mul
@@ -213,16 +178,9 @@ def decode_gemv(
     silu_mul: bool = False,
     config: GemvConfig | None = None,  # None: choose_config
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, new_residual) for
-
-        s = x + residual (rounded to the dtype), or x
-        h = rms_norm(s, norm_weight, eps) if norm_weight is given, else s
-        y = F.linear(h, weight, bias)           # float32 accumulation, rounded once
-        out = silu_and_mul(y) if silu_mul else y
-
-    new_residual is s: a new tensor when residual is given (never written in place: other
-    programs still read x and residual), else x itself.
-    """
+    """(out, s) for s = x [+ residual], h = rms_norm(s) if norm_weight else s,
+    out = [silu_and_mul](F.linear(h, weight, bias)). s is a new tensor when residual is given
+    (other programs still read x and residual), else x itself."""
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
     num_rows, k = x.shape
     n = weight.shape[0]

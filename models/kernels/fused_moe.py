@@ -1,27 +1,12 @@
 """Fused mixture-of-experts on the GPU: grouped GEMMs over (token, expert) slots sorted by expert.
 
-A token routed to its top_k experts makes top_k slots; slot s = t * top_k + j holds its j-th
-choice, expert topk_ids[t, j]. `fused_topk` routes (softmax, top-k, renormalisation) in one
-launch; then `fused_moe` runs four or five launches:
-
-1. `moe_align` sorts this rank's slots by local expert: each expert's slots in slot order,
-   padded with a sentinel slot (num_slots) up to a multiple of BLOCK_M, so that every M-block
-   of the sorted list belongs to one expert (`block_experts`; -1 past the last used block).
-   Slots of experts on other ranks are in no block. Each program takes a chunk of slots,
-   sorts it by expert and, from every chunk's per-expert counts (`_count_kernel`, a launch
-   of its own only when there are several chunks), knows where each slot goes.
-2. `_gate_up_kernel`: x rows gathered by slot times w13[expert]^T, a gate tile and the
-   matching up tile in one program, so silu(gate) * up is done in fp32 before one store:
-   h [sorted position, I].
-3. `_down_kernel`: h rows times w2[expert]^T, scaled by the slot's routing weight in fp32:
-   y [slot, H].
-4. `_sum_kernel`: out[t] = sum over j of y[t * top_k + j] in fp32, skipping slots whose expert
-   is on another rank (their y rows are never written, so nothing needs zeroing).
-
-Nothing reads device values on the host: the buffers are sized from (T, top_k, E_local,
-BLOCK_M) alone, programs of blocks past the used ones exit at once, so a call can be captured
-in a CUDA graph (decode) and replayed with other routings. The order of the k slots of a token
-in the sum is fixed, so results are deterministic.
+Slot s = t * top_k + j is token t's j-th choice. `fused_topk` routes in one launch; `fused_moe`
+then runs `moe_align` (sort this rank's slots by local expert, each expert's run padded with the
+sentinel slot T * top_k to a multiple of BLOCK_M), `_gate_up_kernel` (h = silu(gate) * up in
+fp32), `_down_kernel` (y = h @ w2^T times the routing weight) and `_sum_kernel` (out[t] = the
+sum over j of y[t * top_k + j], skipping other ranks' experts). Buffers are sized from
+(T, top_k, E_local, BLOCK_M) alone and nothing is read back to the host, so a call can be
+captured in a CUDA graph; the sum's order is fixed, so results are deterministic.
 """
 
 from __future__ import annotations
@@ -53,9 +38,8 @@ class MoeConfig:
     group_m: int = 8  # M-blocks whose programs run next to each other (L2 reuse of weights)
 
 
-# 16-bit configs by expected slots per local expert (T * top_k / E_local), from a sweep of
-# tiles for the Qwen3-30B-A3B experts on an H100. Few slots per expert (decode): the weights'
-# bytes decide and the tile hardly matters; many (prefill): larger tensor-core tiles.
+# 16-bit configs by expected slots per local expert (T * top_k / E_local), swept for the
+# Qwen3-30B-A3B experts on an H100.
 _BF16_TABLE: tuple[tuple[float, MoeConfig], ...] = (
     (4, MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
     (32, MoeConfig(32, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
@@ -204,11 +188,8 @@ def _align_kernel(
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < max_blocks)
 
 
-# Slots per program of the alignment: one program up to _ALIGN_CHUNK slots (decode: one
-# launch), else a counting launch first; at most _ALIGN_MAX_CHUNKS chunks (their counts fit
-# one program). The chunk is one of few fixed sizes, and the count of chunks is padded to
-# the maximum, so that a run of changing batch sizes compiles the kernel a handful of times,
-# never in the middle of serving once the warm-up has passed.
+# Slots per alignment program: one program up to _ALIGN_CHUNK slots, else a counting launch
+# first. Few fixed chunk sizes and a padded chunk count keep compiles to the warm-up.
 _ALIGN_SMALL_CHUNK = 256
 _ALIGN_CHUNK = 1024
 _ALIGN_MAX_CHUNKS = 64
@@ -217,11 +198,8 @@ _ALIGN_MAX_CHUNKS = 64
 def moe_align(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,
               block_m: int, max_chunk: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] (global expert ids) -> (sorted_slots int32 [max_sorted_slots],
-    block_experts int32 [max_sorted_slots / block_m]). Each local expert's slots in slot
-    order, then the sentinel T * k up to a multiple of block_m; positions past the used
-    blocks are left unwritten, their block_experts entry is -1. (`max_chunk`: tests take the
-    several-chunk path with few slots.)"""
+    """topk_ids [T, k] (global ids) -> (sorted_slots int32 [max_sorted_slots], block_experts
+    int32 [max_sorted_slots / block_m], -1 past the used blocks). `max_chunk`: for tests."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     device = topk_ids.device
@@ -267,9 +245,8 @@ def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _block(block_experts_ptr, sorted_slots_ptr, num_slots, num_m_blocks, N,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's tile of the sorted slots: (expert, -1 past the used blocks; sorted
-    positions; slots; rows holding a real slot, padding rows load and store zeros; output
-    columns; their mask)."""
+    """This program's tile: (expert or -1, sorted positions, slots, real-slot rows, output
+    columns, their mask)."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + pid_m)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -378,12 +355,9 @@ def _sum_kernel(
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, first_expert: int = 0,
               config: MoeConfig | None = None) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, j],
-    over the choices whose expert is local: experts [first_expert, first_expert + E_local).
-
-    x [T, H]; w13 [E_local, 2I, H] (gate rows, then up rows); w2 [E_local, H, I];
-    topk_weights [T, k] float32; topk_ids [T, k] int32 or int64 (global ids) -> [T, H] in x's
-    dtype, this rank's partial sum. Accumulates in fp32."""
+    """sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) over the choices whose
+    expert is in [first_expert, first_expert + E_local): this rank's partial sum, fp32 accum.
+    x [T, H]; w13 [E_local, 2I, H] (gate | up); w2 [E_local, H, I]; topk [T, k] -> [T, H]."""
     num_tokens, hidden = x.shape
     num_local, two_i, _ = w13.shape
     inter = two_i // 2

@@ -1,31 +1,16 @@
-"""One Triton paged-attention kernel for a mixed batch.
+"""One Triton paged-attention kernel for a mixed batch (decodes, prefills, prefill chunks).
 
-A batch mixes decode rows (1 query token), prefills, prefix-cached prefills and prefill
-chunks. Row `b` has `q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]` query tokens that are
-the LAST `q_len_b` positions of its `seq_lens[b]`-token context; all keys/values (including
-this step's, stored beforehand by `store_kv`) live in the paged cache
-`[num_blocks, block_size, num_kv_heads, head_dim]` and are found through
-`block_tables[b, pos // block_size]`.
+Row b's `q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]` queries are the last positions of its
+`seq_lens[b]`-token context; all K/V (this step's included, stored beforehand) live in the paged
+cache `[num_blocks, block_size, num_kv_heads, head_dim]` at `block_tables[b, pos // block_size]`.
 
-Work split: program `(tile, kv_head, split)`. A tile is `BLOCK_Q` query tokens of one
-sequence times the `G = num_heads // num_kv_heads` query heads that share `kv_head` (GQA
-packing: rows = tokens x group heads), so each K/V tile is loaded once per group. The
-sequence of a tile is found on the device by a binary search over `cu_seqlens_q` (sequence
-`b` owns programs from `cu_seqlens_q[b] // BLOCK_Q + b`), so the grid depends only on
-`num_tokens`, `num_seqs` and the launch choice: no host reads of device data.
-
-Split-KV (flash-decoding): with few programs, each tile's key range is cut into up to
-`num_splits` partitions of at least `min_split_len` keys; every partition writes its
-partial (max, sum, acc) to a float32 workspace. Partition counts and sizes are computed in
-the kernel from each row's own length, so a fixed `num_splits` serves any context length —
-what a captured CUDA graph needs — and programs past a row's partitions exit at once. The merge
-needs no second launch: each partition then arrives on its tile's int32 counter (an
-acq_rel atomic at GPU scope, after a barrier, so its partials are visible first), and the
-partition that arrives last reads every partition's partials from L2, merges them into
-`out` and stores 0 back. The merge reads the partials of all partitions in one fixed
-order whichever partition ran it, so results are bitwise deterministic; and since every
-launch leaves its counters at zero, one zeroed buffer (`split_counters`) serves every
-launch on a stream and every CUDA-graph replay, with no memset.
+Program `(tile, kv_head, split)`: BLOCK_Q tokens x the GQA group sharing `kv_head`, so each K/V
+tile is loaded once per group. The tile's sequence is a binary search over `cu_seqlens_q`, so
+the grid needs no host reads. Split-KV (flash-decoding) cuts a tile's keys into up to
+`num_splits` partitions sized in the kernel from the row's own length (so a captured graph
+serves any length); the last partition to arrive on the tile's int32 counter merges the float32
+partials in a fixed order (bitwise deterministic) and zeroes the counter again, so one zeroed
+buffer serves every launch and graph replay without a memset.
 """
 
 import functools
@@ -39,18 +24,15 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 # Mixed batches split the KV range only when some context is at least this long.
 MIN_SPLIT_CONTEXT = 1024
-# Decode batches of up to this many programs per SM, beyond those split to fill the SMs,
-# cut rows longer than DECODE_SPLIT_LEN keys in two: with contexts spread like the nano-vllm
-# bench workload's the longest rows otherwise run alone at the end of the launch (KV
-# bandwidth +4% to +20% at batch 48-128 on an H200; equal 1024-token contexts lose up to 9%).
+# Decode batches of up to this many programs per SM cut rows longer than DECODE_SPLIT_LEN in
+# two, so the longest rows of a spread-out batch do not run alone at the end of the launch.
 DECODE_SPLIT_PROGRAMS_PER_SM = 8
 DECODE_SPLIT_LEN = 512
 # Empty rows keep this finite running max, so fully masked tiles never produce inf - inf.
 _NEG_BIG = tl.constexpr(-1.0e30)
 
 
-# Per-step ints are not specialised on (== 1, divisible by 16): each new combination would
-# be a fresh compile in the middle of serving.
+# Per-step ints are not specialised on (== 1, % 16): each combination would recompile mid-run.
 @triton.jit(do_not_specialize=["num_seqs", "seq_base", "min_split_len", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -65,9 +47,8 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # block_size is a runtime int: one compiled kernel serves every block size. NUM_SPLITS
-    # is compile-time because the merge loads [rows, NUM_SPLITS, HEAD_DIM] tiles; split
-    # counts are few powers of two, and unsplit launches always compile with 1.
+    # block_size is a runtime int (one compile for every block size); NUM_SPLITS is
+    # compile-time because the merge loads [rows, NUM_SPLITS, HEAD_DIM] tiles.
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -100,9 +81,8 @@ def _paged_attention_kernel(
     # Causal: no row of this tile sees keys past its last query token.
     kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
     if NUM_SPLITS > 1:
-        # Partitions of at least min_split_len keys: a short context takes fewer of them
-        # (less merge work), and a batch of mixed lengths gets work units of similar size,
-        # so its longest rows do not run alone at the end of the launch.
+        # Partitions of at least min_split_len keys: short contexts take fewer (less merge
+        # work), and mixed lengths get work units of similar size.
         part = tl.maximum(tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N,
                           min_split_len)
         num_parts = tl.maximum(tl.cdiv(kv_hi, part), 1)
@@ -186,13 +166,8 @@ def _merge_splits(
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
 ):
-    """out rows of one tile = the partitions' partials merged; run by the last arriver.
-
-    MERGE_ROWS rows at a time bound the [rows, splits, head_dim] float32 tile in registers;
-    the loop stops at the tile's last query token, so a decode tile (one token) reads only
-    its group's rows. Loads use .cg: the partials were written by other SMs and must come
-    from L2, never from a stale L1 line.
-    """
+    """Merge one tile's partials into out (run by the last arriver), MERGE_ROWS rows at a
+    time. Loads use .cg: other SMs wrote the partials, so they must come from L2, not L1."""
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, NUM_SPLITS)
     num_rows = tl.minimum(BLOCK_M, (q_len - tile * BLOCK_Q) * GROUP_PAD)
@@ -229,8 +204,7 @@ class AttentionLaunch:
     num_splits: int  # KV partitions per tile at most; 1 = no split-KV pass
     num_warps: int = 4
     num_stages: int = 2
-    # Keys per partition at least (a runtime argument, not a compile key): rows shorter
-    # than num_splits * min_split_len take fewer partitions.
+    # Keys per partition at least (runtime, not a compile key): short rows take fewer splits.
     min_split_len: int = 0
     # The smallest decode batches (the most splits): 8 warps and a wider split merge.
     small_decode: bool = False
@@ -256,12 +230,8 @@ def _group_pad(num_q_per_kv: int) -> int:
 def choose_launch(*, num_tokens: int, num_seqs: int, num_kv_heads: int, num_q_per_kv: int,
                   dtype: torch.dtype, max_query_len: int, max_seq_len: int,
                   decode_only: bool, num_sms: int) -> AttentionLaunch:
-    """Pick tile sizes and the split count from host ints only.
-
-    For `decode_only` batches the result depends on (num_seqs, num_kv_heads, num_q_per_kv,
-    dtype, num_sms) alone — never on lengths — so a CUDA graph captured for a batch size
-    replays the same launch for any context lengths.
-    """
+    """Tile sizes and split count from host ints only. For `decode_only` batches the result
+    never depends on lengths, so a CUDA graph captured for a batch size fits any context."""
     group_pad = _group_pad(num_q_per_kv)
     decode_q, prefill_q = _block_qs(group_pad)
     if decode_only:
@@ -295,9 +265,8 @@ def _tiles(block_q: int, num_splits: int, group_pad: int, dtype: torch.dtype,
         block_q=block_q,
         block_n=32 if dtype == torch.float32 else 64,  # fp32 tiles take twice the smem
         num_splits=num_splits,
-        # The small decode launches take 8 warps so that their split merge, one L2 round
-        # trip per row chunk, takes a whole GQA group at once (Qwen3-8B batch-1 decode at
-        # TP=4: +10% tok/s on an H200).
+        # Small decode launches: 8 warps, so their split merge (one L2 round trip per row
+        # chunk) takes a whole GQA group at once.
         num_warps=8 if block_q * group_pad > 64 or small_decode else 4,
         min_split_len=min_split_len,
         small_decode=small_decode,
@@ -337,11 +306,9 @@ def split_counters(num_counters: int, device: torch.device | str) -> torch.Tenso
 
 
 def _merge_rows(block_m: int, head_dim: int, launch: AttentionLaunch) -> int:
-    """Rows the split merge takes at a time: its [rows, splits, head_dim] float32 tile
-    stays near 32 registers per thread. (64 would put a decode program of Qwen3's layout at
-    131 registers: fewer programs resident per SM; 32 keeps it at 84-92.) The small decode
-    launches have too few programs for that to matter, and each row chunk of their merge is
-    one more L2 round trip on the step's critical path: 64 there."""
+    """Rows the split merge takes at a time: its [rows, splits, head_dim] float32 tile stays
+    near 32 registers per thread (64 for the small decode launches, which have few programs
+    and pay an L2 round trip per row chunk)."""
     num_splits = launch.num_splits
     budget = (64 if launch.small_decode else 32) * 32 * launch.num_warps  # float32 values
     return max(1, min(block_m, budget // (num_splits * head_dim)))
@@ -363,17 +330,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context.
 
-    The batch is rows `seq_base..` of `cu_seqlens_q`, `seq_lens` and `block_tables`; the
-    query/out row of token i of sequence b is `cu_seqlens_q[b] - cu_seqlens_q[seq_base] +
-    i`. So the rows b0.. of a step launch on their own (seq_base=b0, query[cu[b0]:]) without
-    slicing the metadata. Output rows not covered by any sequence are unspecified.
-
-    Split launches (`launch.num_splits > 1`) use a float32 `workspace` (split_workspace)
-    and zeroed int32 `counters` (split_counters; one per tile program and kv head, i.e.
-    `(T // block_q + B) * num_kv_heads`) and leave the counters zeroed again, so launches
-    in one stream may share them (launches running concurrently may not). Either is
-    allocated here when not given; a caller that captures CUDA graphs passes `counters`,
-    or each launch would carry its own memset.
+    The batch is rows `seq_base..` of the metadata; token i of sequence b is query/out row
+    `cu_seqlens_q[b] - cu_seqlens_q[seq_base] + i`. Output rows of no sequence are unspecified.
+    Split launches use a float32 `workspace` and `(T // block_q + B) * num_kv_heads` zeroed
+    `counters`, left zeroed again (launches in one stream may share them); both are allocated
+    when not given, but a CUDA-graph caller passes `counters` to avoid a memset per launch.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape

@@ -1,27 +1,13 @@
-"""One Triton launch for the step between qkv_proj and attention: the optional per-head
-RMSNorm of q and k (Qwen3's q_norm / k_norm), NeoX rotary of q and k, and the store of k and v
-into the paged KV cache.
+"""One Triton launch between qkv_proj and attention: optional per-head RMSNorm of q and k
+(Qwen3's q_norm / k_norm), NeoX rotary of q and k, and the store of k and v into the paged cache
+(slot -1: not stored). Unfused these are three to six launches per layer, whose latency sets
+their time at decode. Numerics are the torch path's (rms_norm, apply_rotary), same casts in the
+same order.
 
-Unfused these are three to six small launches per layer; at decode batch sizes their launch
-latency, not their few kilobytes of traffic, sets their time.
-
-Numerics are the torch path's, with the same casts in the same order:
-- `rms_norm` (models/layers/layernorm.py): float32 statistics, the normalized value rounded to
-  the model dtype, then `weight * it` in the dtype (a float32 product rounded once);
-- `apply_rotary` (models/layers/rotary.py) on the float32 values of the (normed) dtype heads,
-  `x1 * cos - x2 * sin | x2 * cos + x1 * sin`, rounded back to the dtype; dims past
-  `rotary_dim` pass through;
-- k (normed, rotated) and v (as is) go to `[num_blocks, block_size, Hkv, D]` at
-  `slot_mapping[t]`, cast to the cache dtype; slot -1: not stored.
-
-Work split: program `(token, head block)` over the `H + Hkv` heads of a token, HEADS
-consecutive heads a block as one `[HEADS, D]` tile. Blocks below H are query heads (written to
-`out`); the rest are KV heads (k normed and rotated, v copied, both into the cache); HEADS
-divides both counts, so a block is all one kind. Small batches use HEADS = 1, so one decode
-token still spreads over H + Hkv programs; large ones group heads so that each program's chain
-of dependent loads (position -> cos/sin, slot) is paid once per block rather than per head.
-The number of tokens is only the grid's first dimension: one compile per HEADS serves every
-batch size.
+Program `(token, head block)` takes HEADS consecutive heads of the `H + Hkv` as one tile: q
+blocks write `out`, kv blocks write the cache. Small batches use HEADS = 1 to spread a decode
+token over many programs; large ones group heads so the dependent loads (position -> cos/sin,
+slot) are paid once per block. One compile per HEADS serves every batch size.
 """
 
 from __future__ import annotations
@@ -32,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-# One-head programs up to this many in the grid; beyond it heads are grouped, so that each
-# program's chain of dependent loads is paid once per block of heads.
+# One-head programs up to this many in the grid; beyond it heads are grouped.
 HEAD_BLOCK_MIN_PROGRAMS = 1536
 # At most this many heads a program (one warp each at head_dim 128; 8 warps is the cap).
 MAX_HEADS_PER_PROGRAM = 8
@@ -58,9 +43,8 @@ def rope_store_supported(head_dim: int, rotary_dim: int) -> bool:
 @triton.jit
 def _norm_rope_heads(rows_ptr, weight_ptr, cos, sin, eps, HAS_NORM: tl.constexpr,
                      HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
-    """HEADS heads of HEAD_DIM contiguous values -> [HEADS, HEAD_DIM] (normed and) rotated, in
-    the input dtype. rows_ptr: [HEADS, 1] pointers to each head's first value; cos, sin:
-    [1, HEAD_DIM] float32 (1 and 0 past ROTARY_DIM, each NeoX half on its frequency)."""
+    """[HEADS, 1] head pointers -> [HEADS, HEAD_DIM] (normed and) rotated, input dtype;
+    cos, sin: [1, HEAD_DIM] float32, 1 and 0 past ROTARY_DIM."""
     HALF: tl.constexpr = ROTARY_DIM // 2
     dtype = rows_ptr.dtype.element_ty
     dims = tl.arange(0, HEAD_DIM)
@@ -130,16 +114,9 @@ def rope_store_kernel(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
                       head_dim: int, *, heads_per_program: int | None = None) -> torch.Tensor:
-    """[q_norm / k_norm +] NeoX rotary of q and k + store of k / v into the paged cache, one
-    launch. Returns q `[T, num_heads, head_dim]` (normed, rotated, qkv's dtype).
-
-    qkv: `[T, (H + 2 * Hkv) * D]` (q | k | v), any row stride, last dim contiguous.
-    positions, slot_mapping: integer `[T]` (slot -1: that token's k / v are not stored).
-    cos_sin_cache: float32 `[max_pos, rotary_dim]` (cos | sin halves, RotaryEmbedding's).
-    q_norm_weight, k_norm_weight: both `[D]` in qkv's dtype, or both None (no q/k norm).
-    k_cache, v_cache: `[num_blocks, block_size, Hkv, D]` with linear slots (kv_cache[0] and
-    kv_cache[1]). heads_per_program: None for choose_heads_per_program's choice.
-    Allocates only q and reads nothing back to the host: CUDA-graph capturable.
+    """Returns q `[T, num_heads, head_dim]`, k / v stored. qkv: `[T, (H + 2 * Hkv) * D]`;
+    positions, slot_mapping: `[T]`; cos_sin_cache: float32 `[max_pos, rotary_dim]`; norm
+    weights: both `[D]` in qkv's dtype or both None; caches `[num_blocks, block_size, Hkv, D]`.
     """
     num_tokens, width = qkv.shape
     assert width == (num_heads + 2 * num_kv_heads) * head_dim, (

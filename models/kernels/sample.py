@@ -1,35 +1,15 @@
 """Fused exponential-race sampling: one token per row from logits in one read.
 
-Row b's token is argmax over v of `x[b, v] - log(-log(u(seed_b, step_b, v)))` with
-`x = float32(logit) / T_b`, or plain argmax of the logits when `T_b = 0` (greedy). `u` is the
-splitmix64 counter hash of `models.layers.sampler.hashed_uniform`, computed here in uint64 on
-the fly, so the [B, V] noise tensor of the torch path (~15 passes over it) is never built.
+Row b's token is argmax over v of `x[b, v] / T_b - log(-log(u(seed_b, step_b, v)))`, or argmax
+of the logits when `T_b = 0`. `u` is `models.layers.sampler.hashed_uniform`'s splitmix64 hash,
+computed on the fly, so the [B, V] noise tensor is never built. Programs `(row, split)` write
+each vocab chunk's best to partials that `_combine_kernel` (or `models.parallel.tp_argmax`
+across vocab shards, which hash global indices) reduces; every reduction keeps the lowest index
+among equal values, so the token does not depend on block size or split count.
 
-Work split: program `(row, split)` scans `chunk` consecutive vocab entries in `BLOCK`-wide
-tiles, keeps a per-lane running (max, index) and writes the chunk's best to a float32/int32
-partial buffer `[B, num_splits]`; `_combine_kernel` reduces each row's partials. Every
-reduction keeps the lowest index among equal values (torch.argmax semantics), and chunks are
-in vocab order, so the result does not depend on the block size or split count.
-
-Vocab-parallel sampling: a tensor-parallel rank holds the logits of its vocab shard only,
-columns `vocab_offset + c`. `race_partials(..., vocab_offset=...)` hashes the global index and
-stores global indices, so a shard draws exactly the noise the full row would at those
-indices, and reducing every shard's partials with the same tie rule
-(`models.parallel.tp_argmax`) gives `race_argmax` of the full row.
-
-The scan is ALU-bound, so its arithmetic is as cheap as the draws allow (on NVIDIA; the
-interpreter keeps numpy's log). The hash words and u are bit-identical to the torch path's;
-the floats may differ by a few ulps:
-- inner log, E = -log(u): precise (`__nv_logf`, <= 1 ulp, what torch's CUDA log calls). u
-  reaches 1 - 2**-24, where E is ~6e-8, and the winner of a flat row has E ~ 1/V; the fast
-  log's error there is absolute (2**-22 on (0.5, 2)), a large fraction of E.
-- outer log, log(E): `lg2.approx.ftz` * ln 2 (one MUFU.LG2). PTX ISA bound: 2**-22 absolute
-  on (0.5, 2), 2**-22 relative elsewhere, so <= 2**-22 * max(ln 2, |log E|) <= 4e-6 since
-  E is in [6e-8, 16.7] (never subnormal for the .ftz).
-- x / T as x * (1 / T), the reciprocal rounded once per row: off by <= 2**-24 |x / T|.
-A kernel value y is thus within ~2**-21 (|x / T| + |log E| + 1) + 2**-22 |y| of torch's, and a
-draw can differ only where the top two are that close: inside the tests' near-tie tolerance
-(1e-5 |top|) whenever |top| > ~4, as for real logits at T <= 2 or any flat row (|top| ~ log V).
+The hash words and u are bit-identical to the torch path's; the floats may differ by a few
+ulps (inner log precise, outer log one MUFU.LG2, x / T as x * (1 / T)): a value is within
+~2**-21 (|x / T| + |log E| + 1) of torch's, inside the tests' near-tie tolerance.
 """
 
 from __future__ import annotations
@@ -42,8 +22,7 @@ from triton.language.extra import libdevice
 from models.sampling_hash import GAMMA, MIX1, MIX2, NO_INDEX, SEED_SALT
 
 _U64 = (1 << 64) - 1
-# The sampler keeps its splitmix64 constants as signed int64; uint64 arithmetic in the kernel
-# needs the same bits as unsigned literals.
+# The sampler's signed int64 splitmix64 constants as the unsigned literals uint64 math needs.
 _GAMMA_U = tl.constexpr(GAMMA & _U64)
 _MIX1_U = tl.constexpr(MIX1 & _U64)
 _MIX2_U = tl.constexpr(MIX2 & _U64)
@@ -51,16 +30,12 @@ _SALT_U = tl.constexpr(SEED_SALT & _U64)
 # An index no lane ever holds: nothing above -inf seen (-inf / NaN only, or an empty chunk).
 _NO_INDEX = tl.constexpr(NO_INDEX)
 
-# 8 elements a thread at 4 warps: one 16-byte load per thread for bf16, and the uint64 hash
-# chain still fits in registers.
+# 8 elements a thread at 4 warps: one 16-byte bf16 load, and the uint64 hash fits in registers.
 BLOCK = 1024
 NUM_WARPS = 4
-# Programs to aim for per SM (about one resident wave at ~100 registers a thread): the hash
-# is ALU-bound, so more splits would only add partials.
+# Programs to aim for per SM (about one resident wave): the hash is ALU-bound.
 PROGRAMS_PER_SM = 4
-# The combine kernel's width. One fixed width (and no specialisation on the sizes below)
-# keeps it to one compiled variant per logits dtype: the batch size changes every few steps,
-# and a fresh Triton compile in the middle of serving costs ~0.5 s.
+# The combine kernel's one fixed width: one compile per logits dtype, none mid-serving.
 MAX_SPLITS = 256
 
 
@@ -74,10 +49,8 @@ def _mix64(z):
 
 @triton.jit
 def best_candidate(vals, idxs):
-    """(value, index) of the best of 1-D candidates: the largest value, the lowest index
-    among equal values; NaN, -inf and NO_INDEX entries never win; (-inf, NO_INDEX) when
-    none is left. The one tie rule of every reduction of the race: a chunk's lanes and a
-    row's chunks (`models.parallel.tp_argmax` applies it to the ranks' winners)."""
+    """(value, index) of the best 1-D candidate: the largest value, the lowest index among
+    equals; NaN, -inf and NO_INDEX never win; (-inf, NO_INDEX) when none is left."""
     ok = (vals > float("-inf")) & (idxs != _NO_INDEX)  # NaN > -inf is False
     vals = tl.where(ok, vals, float("-inf"))
     top = tl.max(vals, axis=0)
@@ -87,15 +60,13 @@ def best_candidate(vals, idxs):
 
 @triton.jit
 def _race_noise(counter, LIBDEVICE: tl.constexpr):
-    """log(E) for E = -log(u), u the hash of each lane's counter word: what the race
-    subtracts from x / T."""
+    """log(E) for E = -log(u), u the hash of each lane's counter word."""
     bits = _mix64(counter)
     # u = (m + 0.5) / 2**23 for the top 23 bits m, as m * 2**-23 + 2**-24: the same float32
     # (every step is exact), in one FMA that also shows the compiler u is normal, so
     # __nv_logf's subnormal / zero fix-ups fold away.
     u = (bits >> 41).to(tl.float32) * (1.0 / 8388608.0) + (0.5 / 8388608.0)
-    # log_e: the log of an Exp(1) variate. Inner log precise, outer one MUFU.LG2 (see the
-    # top; tl.log is __nv_logf too). The interpreter has no libdevice: numpy's log.
+    # Inner log precise, outer one MUFU.LG2; the interpreter has no libdevice.
     return libdevice.fast_logf(-libdevice.log(u)) if LIBDEVICE else tl.log(-tl.log(u))
 
 
@@ -168,8 +139,7 @@ def _combine_kernel(part_val_ptr, part_idx_ptr, tokens_ptr, num_splits,
 
 
 def choose_splits(num_rows: int, vocab_size: int, num_sms: int, block: int = BLOCK) -> int:
-    """Vocab chunks per row: about PROGRAMS_PER_SM programs per SM in all, so one request
-    (B = 1) still spreads its 152k entries over the whole GPU; never more than one chunk per
+    """Vocab chunks per row: about PROGRAMS_PER_SM programs per SM in all, at most one per
     tile."""
     target = PROGRAMS_PER_SM * num_sms
     tiles = triton.cdiv(vocab_size, block)
@@ -187,15 +157,9 @@ def race_partials(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
                   block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Each vocab chunk's race winner: (part_val float32 [B, S], part_idx int32 [B, S]).
 
-    logits: float32/bfloat16/float16 [B, V], any row stride, holding the global vocab
-    columns [vocab_offset, vocab_offset + V) (a tensor-parallel rank's shard; 0 for a full
-    row). temperatures: float32 [B] (0 = greedy). seeds, steps: int64 [B]. A partial is the
-    chunk's largest `x / T - log(E)` (T > 0; `x` for greedy rows) and its global index, the
-    lowest among equal values; (-inf, NO_INDEX) where nothing in the chunk is above -inf.
-    Reducing all partials of a row with that rule (`_combine_kernel`, or
-    `models.parallel.tp_argmax` across shards) gives the row's token. No host sync.
-    `num_splits` / `block` override the launch (tests); the reduced token never depends on
-    them.
+    logits [B, V] hold the global columns [vocab_offset, vocab_offset + V); temperatures
+    float32 [B] (0 = greedy); seeds, steps int64 [B]. A partial is the chunk's best value and
+    global index, (-inf, NO_INDEX) if nothing is above -inf. No host sync.
     """
     num_rows, vocab_size = logits.shape
     assert temperatures.shape == seeds.shape == steps.shape == (num_rows,), (
@@ -230,14 +194,8 @@ def race_partials(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
 def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                 steps: torch.Tensor, *, vocab_offset: int = 0, num_splits: int | None = None,
                 block: int = BLOCK) -> torch.Tensor:
-    """One token per row: `race_perturbed(logits / T, seeds, steps).argmax(-1)` for T > 0
-    rows, `logits.argmax(-1)` for T = 0 rows, without materialising anything [B, V].
-
-    logits: float32/bfloat16/float16 [B, V], any row stride (global columns from
-    `vocab_offset`: see race_partials). temperatures: float32 [B] (0 = greedy). seeds,
-    steps: int64 [B]. Returns int64 [B] (global indices). No host synchronisation.
-    `num_splits` / `block` override the launch (tests); the tokens never depend on them.
-    """
+    """int64 [B]: `race_perturbed(logits / T, seeds, steps).argmax(-1)` for T > 0 rows,
+    `logits.argmax(-1)` for T = 0, with nothing [B, V] built (arguments: race_partials)."""
     part_val, part_idx = race_partials(logits, temperatures, seeds, steps,
                                        vocab_offset=vocab_offset, num_splits=num_splits,
                                        block=block)

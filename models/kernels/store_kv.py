@@ -1,9 +1,5 @@
-"""Triton kernel that writes a step's keys and values into the paged KV cache.
-
-Cache layout per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V;
-token `t` goes to slot `slot_mapping[t] = block_id * block_size + offset`; slot -1 means
-"do not store" (padding rows of a CUDA-graph batch, the profiling pass).
-"""
+"""Triton kernel that writes a step's keys and values into the paged KV cache: token t goes
+to slot `slot_mapping[t] = block * block_size + offset`; slot -1 means "do not store"."""
 
 import torch
 import triton
@@ -33,12 +29,8 @@ def _store_kv_kernel(
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write `key`/`value` `[T, num_kv_heads, head_dim]` into the caches at `slot_mapping [T]`.
-
-    `k_cache`/`v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`, slots laid out
-    linearly (kv_cache[0] / kv_cache[1] of a contiguous cache). `key`/`value` may be strided
-    views (e.g. slices of a fused qkv projection) as long as head_dim is contiguous.
-    """
+    """Write `key`/`value` `[T, Hkv, D]` (head_dim contiguous) into the linear-slot caches
+    `[num_blocks, block_size, Hkv, D]` at `slot_mapping [T]`."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, f"key {tuple(key.shape)} != value {tuple(value.shape)}"
     assert slot_mapping.shape == (num_tokens,), "slot_mapping must be [num_tokens]"

@@ -11,13 +11,9 @@ from models.attention_metadata import AttentionMetadata
 
 
 class Attention(nn.Module):
-    """Paged attention over one layer's KV cache.
-
-    `kv_cache` is [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V), set by
-    the model runner once the cache exists. While it is None (the profiling pass that sizes
-    the cache), each sequence attends causally over this step's own tokens only.
-    `backend` is an attention backend from `models.backends.get_attention_backend`.
-    """
+    """Paged attention over one layer's `kv_cache` [2, num_blocks, block_size, Hkv, D], which
+    the model runner sets; until then (the profiling pass) each sequence attends over this
+    step's own tokens."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: Any) -> None:
@@ -31,9 +27,8 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None,
                 value: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """query [T, H, D] -> [T, H, D]. This step's K/V are already in the cache
-        (models/layers/decode_ops.py rope_store); key/value [T, Hkv, D] are given only while
-        there is no cache, and then attended directly."""
+        """query [T, H, D] -> [T, H, D]. This step's K/V are already in the cache; key/value
+        [T, Hkv, D] are given only while there is none."""
         if self.kv_cache is None:
             return self.backend.forward_no_cache(query, key, value, meta, self.scale)
         return self.backend.forward(query, self.kv_cache, meta, self.scale)

@@ -1,18 +1,11 @@
 """Decode fast paths at the torch level: the only API the model calls for them.
 
-Each op is one function with the torch composition as its definition, and a Triton kernel
-that serves it where it pays (models/kernels/decode_gemv.py, models/kernels/rope_store.py):
-
-- `linear`: F.linear; the batch-1 GEMV on CUDA for one bf16/fp16 row.
-- `norm_linear`: `[x + residual ->] rms_norm -> linear [-> silu_and_mul]`, returning the new
-  residual too; one fused GEMV launch on CUDA for one bf16/fp16 row.
-- `rope_store`: `split qkv -> [q_norm / k_norm] -> rotary -> store k / v in the paged cache`;
-  one launch on CUDA whenever there is a cache.
-
-Choosing the kernel by shape (M == 1, dtype, alignment) is a kernel choice like cuBLAS's
-heuristics: the results agree with the torch path to rounding (the same casts, sums in another
-order). Elsewhere (CPU, prefill, odd shapes) the torch path runs, through `fused` (one
-torch.compile'd kernel per elementwise step on CUDA; as written on CPU).
+Each op is defined by its torch composition, and served by a Triton kernel where it pays
+(models/kernels/decode_gemv.py, rope_store.py), chosen by shape like cuBLAS's heuristics;
+results agree with the torch path to rounding:
+- `linear`: F.linear; the batch-1 GEMV for one bf16/fp16 CUDA row.
+- `norm_linear`: `[x + residual ->] rms_norm -> linear [-> silu_and_mul]`, plus the new residual.
+- `rope_store`: `split qkv -> [q_norm / k_norm] -> rotary -> store k / v in the paged cache`.
 """
 
 from __future__ import annotations
@@ -30,8 +23,7 @@ from models.layers.rotary import apply_rotary
 
 # (key [T, Hkv, D], value, kv_cache, slot_mapping) -> None: an attention backend's store_kv.
 StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-# dtypes the GEMV kernels serve from here (float32 runs them too, for tests, but cuBLAS is
-# as good there and the model never runs in it on GPU).
+# dtypes the GEMV kernels serve from here (float32 works, but cuBLAS is as good there).
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # Largest K the fused norm serves: every program re-reads the row over K for the statistics,
 # a cost that grows with K while the launches it saves do not.
@@ -78,13 +70,9 @@ def _norm_linear_torch(x: torch.Tensor, residual: torch.Tensor | None,
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, new_residual) with new_residual = x + residual (x itself when residual is None)
-    and out = [silu_and_mul](rms_norm(new_residual, norm_weight, eps) @ weight.T + bias).
-
-    x, residual: [T, K]; weight [N, K] ([2I, K], gate rows then up rows, with silu_mul); out
-    [T, N] ([T, I]). One fused Triton launch for one bf16/fp16 CUDA row; else the torch
-    composition (add_rms_norm, F.linear, silu_and_mul). x and residual are never written.
-    """
+    """(out, new_residual): new_residual = x [+ residual], out = [silu_and_mul](
+    rms_norm(new_residual) @ weight.T + bias). x, residual [T, K]; weight [N, K] (gate | up
+    rows with silu_mul); out [T, N] ([T, N / 2]). x and residual are never written."""
     if (_gemv_serves(x, weight, bias) and x.shape[1] <= NORM_GEMV_MAX_K
             and norm_weight.dtype == x.dtype and norm_weight.shape == x.shape[1:]
             and norm_weight.stride(0) == 1
@@ -100,9 +88,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
 def _rope_kernel_serves(qkv: torch.Tensor, kv_cache: torch.Tensor | None, head_dim: int,
                         rotary_dim: int) -> bool:
-    """A CUDA step with a cache and a head size the kernel serves; the layouts the model
-    always passes (contiguous heads, linear cache slots, norm weights of qkv's dtype) are
-    asserted by the launcher."""
+    """A CUDA step with a cache and a head size the kernel serves (the launcher asserts the
+    layouts the model always passes)."""
     if kv_cache is None or not qkv.is_cuda:
         return False
     from models.kernels.rope_store import rope_store_supported
@@ -116,19 +103,10 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
                slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                store: StoreKV = store_kv
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """qkv [T, (H + 2 * Hkv) * D] (after any bias) -> (q, k, v) for the attention:
-
-    q [T, H, D] is rms_norm'd per head (when q_norm_weight is given) and rotated (NeoX, the
-    first rotary_dim dims, cos_sin_cache [max_pos, rotary_dim] float32 as RotaryEmbedding
-    builds it); k likewise with k_norm_weight; v as is.
-
-    With a cache (kv_cache [2, num_blocks, block_size, Hkv, D]), k and v are stored at
-    slot_mapping[t] (-1: not stored) and returned as None: the attention reads them from the
-    cache (the Attention layer). Without one (the profiling pass), k and v [T, Hkv, D]
-    are returned (Attention's forward_no_cache). On CUDA with a cache this is one Triton
-    launch; else the torch composition (rms_norm, apply_rotary, then `store`: the attention
-    backend's store_kv, a CUDA-graph capturable kernel on GPU backends).
-    """
+    """qkv [T, (H + 2 * Hkv) * D] -> (q [T, H, D], k, v): q and k per-head rms_norm'd (when
+    weights are given) and rotated (NeoX, first rotary_dim dims). With a cache
+    ([2, num_blocks, block_size, Hkv, D]) k and v are stored at slot_mapping (-1: not stored,
+    by `store`, the backend's store_kv) and returned as None; without one, returned as is."""
     if _rope_kernel_serves(qkv, kv_cache, head_dim, rotary_dim):
         from models.kernels.rope_store import rope_store_kernel
 

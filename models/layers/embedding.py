@@ -27,8 +27,7 @@ from models.parallel import (
 def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
                      vocab_end: int) -> torch.Tensor:
     """Rows of this rank's vocab range [vocab_start, vocab_end), zeros for other ids: summed
-    over the ranks, exactly one non-zero row per token. (Fused on CUDA: its 8 elementwise
-    ops would each be a kernel at the head of every decode step.)"""
+    over the ranks, exactly one non-zero row per token."""
     in_range = (input_ids >= vocab_start) & (input_ids < vocab_end)  # [num_tokens]
     local_ids = (input_ids - vocab_start) * in_range
     return F.embedding(local_ids, weight) * in_range.unsqueeze(-1).to(weight.dtype)
@@ -58,9 +57,8 @@ class VocabParallelEmbedding(nn.Module):
             narrow_weight(loaded_weight, 0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """input_ids [num_tokens] -> [num_tokens, embedding_dim]. With reduce=False a
-        tensor-parallel rank returns its partial sum (its own tokens' rows, zeros for the
-        rest), for a caller that sums it with its next norm (LlamaModel does)."""
+        """input_ids [T] -> [T, embedding_dim]; with reduce=False this rank's partial sum,
+        for a caller that reduces it with its next norm."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         out = fused(masked_embedding, input_ids)(input_ids, self.weight, self.vocab_start,
@@ -70,10 +68,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ W^T over this rank's vocab range, gathered to the full vocabulary.
-
-    For tied embeddings the model points `weight` at the embedding's parameter (same shard
-    layout), so nothing is loaded twice.
-    """
+    Tied embeddings share the embedding's parameter (same shard layout)."""
 
     def forward(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """hidden_states [num_tokens, embedding_dim] -> logits [num_tokens, num_embeddings],

@@ -1,9 +1,7 @@
 """Mixture-of-experts layer (Qwen3-MoE): top-k routing and the experts' gated MLPs.
 
-Tensor parallelism shards the experts, not their weights: rank r holds experts
-[r * E / tp, (r + 1) * E / tp) at full width. Every rank routes every token over all experts;
-a choice of an expert held elsewhere adds nothing here, so the ranks' outputs are partial
-sums and the caller's all-reduce completes them (like RowParallelLinear(reduce_results=False)).
+Tensor parallelism shards the experts whole: rank r holds experts [r * E / tp, (r + 1) * E / tp).
+Every rank routes every token, so the ranks' outputs are partial sums the caller all-reduces.
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ SelectFn = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
-
-    Softmax over all experts in float32, then the top k; with `renormalize` (Qwen3-MoE's
-    norm_topk_prob) the k weights are rescaled to sum to 1."""
+    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64): float32
+    softmax, top k, rescaled to sum to 1 with `renormalize` (norm_topk_prob)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -39,12 +35,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 class FusedMoE(nn.Module):
-    """Experts of one MoE layer: w13_weight [E_local, 2 * I, H] (gate rows, then up rows),
-    w2_weight [E_local, H, I]. forward returns this rank's partial sum (not all-reduced).
-
-    use_triton: routing and experts run as Triton kernels (models/kernels/fused_moe.py:
-    fused_topk, then grouped GEMMs over the slots sorted by expert; CUDA-graph safe), else
-    as plain torch (select_experts, then a loop over the local experts)."""
+    """Experts of one MoE layer: w13_weight [E_local, 2 * I, H] (gate | up rows), w2_weight
+    [E_local, H, I]; forward returns this rank's partial sum. use_triton: the kernels of
+    models/kernels/fused_moe.py, else torch (a loop over the local experts)."""
 
     # Hub projection name -> (parameter, shard kind); see `checkpoint_target`.
     PROJECTIONS: dict[str, tuple[str, str]] = {

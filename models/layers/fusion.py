@@ -1,10 +1,6 @@
-"""Fusing the elementwise layers on GPUs.
-
-Unfused, one decoder layer's norms, rotary embedding and SiLU-and-mul are ~50 tiny
-kernels: at decode batch sizes their launches, not the weights, set the step time, even
-replayed from a CUDA graph. On CUDA tensors these pure functions run through
-torch.compile (one fused Triton kernel each); on CPU they run as written, so the CPU
-reference path stays exactly the code you read.
+"""Fusing the elementwise layers on GPUs: unfused, a decoder layer's norms, rotary and
+SiLU-and-mul are ~50 tiny kernels whose launches set the decode step time. On CUDA these pure
+functions run through torch.compile; on CPU they run as written (the reference path).
 """
 
 from __future__ import annotations

@@ -33,10 +33,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None,
         reduce: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [..., hidden]. With `residual`: x + residual is normalized and also returned
-        as the new residual, i.e. (norm(x + residual), x + residual). With `reduce`, x is a
-        tensor-parallel partial sum that is summed over the ranks first (in place); the sum
-        (plus the residual, if any) is returned as the new residual."""
+        """x: [..., hidden]. With `reduce` x is a TP partial sum, reduced first (in place);
+        with `residual` or `reduce`, returns (norm(s), s) for s = x [+ residual]."""
         if residual is None and not reduce:
             return fused(rms_norm, x)(x, self.weight, self.eps)
         if reduce:

@@ -57,27 +57,9 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(full_weight(loaded_weight))
 
 
-class ColumnParallelLinear(LinearBase):
-    """y = x W^T with W's rows (output features) split across ranks; output stays split."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        self.output_size = output_size
-        self.output_per_rank = divide(output_size, get_tp_size(), "output_size")
-        super().__init__(input_size, self.output_per_rank, bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource,
-                      shard_id: str | int | None = None) -> None:
-        check_shape(param, (self.output_size, *param.shape[1:]), loaded_weight,
-                    type(self).__name__)
-        rows = self.output_per_rank
-        param.data.copy_(narrow_weight(loaded_weight, 0, self.tp_rank * rows, rows))
-
-
 class MergedColumnParallelLinear(LinearBase):
-    """Several column-parallel outputs fused into one matmul (gate_up_proj: shard ids 0, 1).
-
-    Each rank holds [its slice of output 0 | its slice of output 1 | ...].
-    """
+    """Column-parallel outputs (split by output features) fused into one matmul (gate_up_proj:
+    shard ids 0, 1). Each rank holds [its slice of output 0 | its slice of output 1 | ...]."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         tp_size = get_tp_size()
@@ -99,11 +81,8 @@ class MergedColumnParallelLinear(LinearBase):
 
 
 class QKVParallelLinear(LinearBase):
-    """q, k and v projections fused; split by attention heads (shard ids "q", "k", "v").
-
-    With more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads
-    consecutive ranks (one KV head per rank), so every rank keeps whole heads.
-    """
+    """q, k and v projections fused; split by attention heads (shard ids "q", "k", "v"). With
+    more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads ranks."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False) -> None:
@@ -141,10 +120,8 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """y = x W^T with W's columns (input features) split; partial sums all-reduced.
-
-    With `reduce_results=False` the layer returns this rank's partial sum and its consumer
-    reduces it (the next block's `tp_all_reduce`, or an RMSNorm with `reduce=True`)."""
+    """y = x W^T with W's columns (input features) split; partial sums all-reduced, or with
+    `reduce_results=False` left to the consumer (e.g. an RMSNorm with `reduce=True`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True) -> None:

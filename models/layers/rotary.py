@@ -15,8 +15,7 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Fields each type needs in the rope_scaling dict. llama3 and yarn also need
-# original_max_position_embeddings, which transformers takes from the config's
-# max_position_embeddings when the dict leaves it out (get_rope's original_max_position).
+# original_max_position_embeddings, else the config's max_position_embeddings (as transformers).
 _REQUIRED = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -77,9 +76,7 @@ def check_rope_scaling(rope_scaling: dict | None) -> None:
 def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None,
                   original_max_position: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotary_dim / 2] float32, attention factor), as transformers'
-    ROPE_INIT_FUNCTIONS return them. `original_max_position`: the config's
-    max_position_embeddings, used where llama3/yarn's dict has no
-    original_max_position_embeddings."""
+    ROPE_INIT_FUNCTIONS return them. `original_max_position`: see get_rope."""
     check_rope_scaling(rope_scaling)
     kind, params = _rope_type(rope_scaling), rope_scaling or {}
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
@@ -97,8 +94,7 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None
                          f"missing for rope type {kind!r} and no max_position_embeddings was "
                          f"given to fall back on")
     if kind == "llama3":
-        # Long wavelengths are interpolated by `factor`, short ones kept, the band between
-        # blended smoothly.
+        # Long wavelengths interpolated by `factor`, short ones kept, the band between blended.
         low, high = params["low_freq_factor"], params["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
@@ -139,13 +135,9 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to max_position are precomputed once, in float32,
-    already multiplied by the scaling's attention factor (yarn's; 1 for the others). The
-    table is what `apply_rotary` and the Triton rope kernel read; one is shared by all layers.
-
-    Build the model under the target device/default dtype rather than calling
-    `model.to(dtype)`, which would also cast this float32 cache.
-    """
+    """cos | sin for every position up to max_position, float32, times the attention factor
+    (yarn's; 1 otherwise); shared by all layers. Build the model under the target default
+    dtype: `model.to(dtype)` would also cast this table."""
 
     def __init__(self, head_size: int, max_position: int, base: float,
                  rotary_dim: int | None = None, rope_scaling: dict | None = None,
@@ -167,14 +159,10 @@ class RotaryEmbedding(nn.Module):
 def get_rope(head_size: int, max_position: int, base: float, rope_scaling: dict | None = None,
              rotary_dim: int | None = None, *,
              original_max_position: int | None = None) -> RotaryEmbedding:
-    """The rotary embedding a config.json asks for.
-
-    rope_scaling: config.json's `rope_scaling` or `rope_parameters` dict (its rope_theta is
-    ignored: `base` is passed), or None. rotary_dim: None takes the dict's
-    partial_rotary_factor of head_size, else all of it. original_max_position: the config's
-    max_position_embeddings, for llama3/yarn dicts without original_max_position_embeddings.
-    max_position is only the length of the cos/sin table.
-    """
+    """The rotary embedding a config.json asks for. rope_scaling: its `rope_scaling` or
+    `rope_parameters` dict (rope_theta ignored: `base` is passed). rotary_dim: None takes the
+    partial_rotary_factor of head_size. original_max_position: the config's
+    max_position_embeddings, for llama3/yarn dicts without original_max_position_embeddings."""
     check_rope_scaling(rope_scaling)
     if rotary_dim is None and rope_scaling and rope_scaling.get("partial_rotary_factor"):
         rotary_dim = int(head_size * rope_scaling["partial_rotary_factor"])

@@ -1,13 +1,10 @@
 """Batched sampler: penalties, suppression, temperature, top-k, top-p, min-p and seeded
 sampling for a whole batch on the model's device, with no host synchronisation.
 
-Every random draw is a counter-based hash of (seed, step, vocab index), so a request's tokens
-depend only on its own seed and output position — never on which requests share its batch or
-where its row sits. On CPU (and as the reference) the hash and the race are integer and float
-tensor ops here (`hashed_uniform`, `race_perturbed`); on CUDA they are fused with the argmax in
-one Triton kernel (`models/kernels/sample.py`) that reads the logits once. Both make the same
-64-bit hash words; the float logs of the race may differ by an ulp between devices, which can
-change a draw only where two perturbed logits tie to within that rounding.
+Every draw is a counter-based hash of (seed, step, vocab index), so a request's tokens depend
+only on its own seed and output position, never on its batch. The torch ops here are the CPU
+path and the reference of the fused CUDA kernel (`models/kernels/sample.py`), which makes the
+same hash words; their float logs may differ by an ulp.
 """
 
 from __future__ import annotations
@@ -52,13 +49,8 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
 
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int,
                    vocab_offset: int = 0) -> torch.Tensor:
-    """u in (0, 1) for every (row, vocab index), a pure function of (seed, step, index).
-
-    seeds, steps: int64 [B]. Returns float32 [B, vocab_size] for the vocab indices
-    vocab_offset .. vocab_offset + vocab_size - 1 (a tensor-parallel rank's shard draws what
-    the whole row would at its indices); the 23 top hash bits give u = (m + 0.5) / 2**23,
-    exact in float32, so u is never 0 or 1.
-    """
+    """float32 [B, vocab_size]: u in (0, 1) for (seed, step, vocab index) with seeds, steps
+    int64 [B] and indices from vocab_offset; u = (m + 0.5) / 2**23 for the top 23 hash bits."""
     # A splitmix64 stream per (seed, step): the key is its state, the vocab index its counter.
     key = mix64(mix64(seeds ^ SEED_SALT) + steps * GAMMA)  # [B]
     offsets = (torch.arange(vocab_offset + 1, vocab_offset + vocab_size + 1,
@@ -71,8 +63,7 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int,
 def race_perturbed(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                    vocab_offset: int = 0) -> torch.Tensor:
     """logits - log(E) with E = -log(u) ~ Exp(1): its argmax is a draw from softmax(logits).
-    ~15 elementwise passes over [B, V]: the CPU path and the reference of the fused CUDA
-    kernel (`models.kernels.sample.race_argmax`). Column j is vocab index vocab_offset + j."""
+    Column j is vocab index vocab_offset + j."""
     u = hashed_uniform(seeds, steps, logits.shape[-1], vocab_offset)  # [B, V]
     return logits - (-u.log()).log()
 
@@ -112,30 +103,10 @@ class SamplingTensors:
 
     @property
     def temperature_only(self) -> bool:
-        """Nothing but temperature shapes this batch's draws and no logprobs are wanted: each
-        row's token is then the argmax of per-token values, which vocab shards can each
-        take over their own columns (`Sampler.sample_shard`)."""
+        """Only temperature shapes the draws and no logprobs are wanted, so vocab shards can
+        each take the argmax over their own columns (`Sampler.sample_shard`)."""
         return not (self.any_penalty or self.suppress_token_ids is not None or self.any_top_k
                     or self.any_top_p or self.any_min_p or self.max_num_logprobs >= 0)
-
-    def __post_init__(self) -> None:
-        if self.max_num_logprobs is None:
-            self.max_num_logprobs = -1
-        if self.max_num_logprobs < -1:
-            raise ValueError(f"max_num_logprobs must be >= -1, got {self.max_num_logprobs}")
-        b = self.temperatures.shape[0]
-        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "sample_steps",
-                     "repetition_penalties", "presence_penalties", "frequency_penalties"):
-            shape = tuple(getattr(self, name).shape)
-            if shape != (b,):
-                raise ValueError(f"{name} must have shape ({b},), got {shape}")
-        if self.seeds.dtype != torch.int64 or self.sample_steps.dtype != torch.int64:
-            raise ValueError("seeds and sample_steps must be int64")
-        if self.any_penalty and (self.prompt_mask is None or self.output_counts is None):
-            raise ValueError("any_penalty needs prompt_mask and output_counts")
-        if self.suppress_token_ids is not None and (
-                self.suppress_token_ids.dim() != 2 or self.suppress_token_ids.shape[1] != 2):
-            raise ValueError("suppress_token_ids must have shape [K, 2]")
 
     @classmethod
     def build(
@@ -149,29 +120,22 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingTensors:
-        """Settings from SamplingParams (or dicts with its fields) in at most 4 host->device
-        copies: one float pack, one int pack, one of penalty token coordinates, one of
-        suppressed (row, token) pairs."""
+        """Settings from SamplingParams in at most 4 host->device copies."""
         device = torch.device(device)
         b = len(params)
         if len(seeds) != b or len(steps) != b:
             raise ValueError(f"need one seed and one step per row ({b}), "
                              f"got {len(seeds)} seeds and {len(steps)} steps")
-        # LLM.generate gives every row the same SamplingParams object: convert it once and
-        # repeat it (the flags come out the same from one row as from all of them).
+        # LLM.generate gives every row the same SamplingParams object: convert it once.
         uniform = b > 1 and all(p is params[0] for p in params)  # stops at the first other
         src = params[:1] if uniform else params
-        temps = [float(p.temperature) for p in src]
-        temps = [effective_temperature(t) for t in temps]
+        temps = [effective_temperature(float(p.temperature)) for p in src]
         top_ks = [int(p.top_k) for p in src]
         top_ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_ks]
-        top_ps = [float(p.top_p) for p in src]
-        min_ps = [float(p.min_p) for p in src]
-        reps = [float(p.repetition_penalty) for p in src]
-        pres = [float(p.presence_penalty) for p in src]
-        freqs = [float(p.frequency_penalty) for p in src]
-        nums = [p.logprobs for p in src]
-        wanted = [int(n) for n in nums if n is not None]
+        top_ps, min_ps, reps, pres, freqs = (
+            [float(getattr(p, name)) for p in src] for name in
+            ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"))
+        wanted = [int(p.logprobs) for p in src if p.logprobs is not None]
 
         sampled = [t > 0 for t in temps]
         any_penalty = any(r != 1.0 or p != 0.0 or f != 0.0
@@ -206,24 +170,17 @@ class SamplingTensors:
                 (coords[0, n_prompt:], coords[1, n_prompt:]),
                 torch.ones(len(o_rows), dtype=torch.int32, device=device), accumulate=True)
 
-        suppress_ids = None
-        if suppress:
-            suppress_ids = to_device([list(pair) for pair in suppress], torch.int64, device)
-
+        suppress_ids = (to_device([list(pair) for pair in suppress], torch.int64, device)
+                        if suppress else None)
         return cls(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
             repetition_penalties=floats[3], presence_penalties=floats[4],
             frequency_penalties=floats[5],
             top_ks=ints[0].to(torch.int32), seeds=ints[1], sample_steps=ints[2],
             prompt_mask=prompt_mask, output_counts=output_counts,
-            suppress_token_ids=suppress_ids,
-            max_num_logprobs=max(wanted) if wanted else -1,
-            all_greedy=all_greedy,
-            any_top_k=any_top_k,
-            any_top_p=any_top_p,
-            any_min_p=any_min_p,
-            any_penalty=any_penalty,
-        )
+            suppress_token_ids=suppress_ids, max_num_logprobs=max(wanted, default=-1),
+            all_greedy=all_greedy, any_top_k=any_top_k, any_top_p=any_top_p,
+            any_min_p=any_min_p, any_penalty=any_penalty)
 
 
 @dataclass
@@ -236,10 +193,7 @@ class SamplerOutput:
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties.
-
-    logits: float32 [B, V]; returns a new tensor. Rows with neutral penalties come out
-    bit-identical (x / 1, x * 1 and x - 0 are exact).
-    """
+    logits: float32 [B, V]; returns a new tensor, bit-identical for neutral rows."""
     assert t.prompt_mask is not None and t.output_counts is not None
     counts = t.output_counts.to(logits.dtype)  # [B, V]
     rep = t.repetition_penalties[:, None]  # [B, 1]
@@ -293,9 +247,8 @@ def _race_argmax(logits: torch.Tensor, t: SamplingTensors, temps: torch.Tensor
 
 def _shard_best(logits: torch.Tensor, t: SamplingTensors, vocab_offset: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path of sharded sampling: each row's best (value float32 [B, 1], global
-    index int32 [B, 1]) over this shard, the values `forward` takes the argmax of; NO_INDEX
-    where nothing is above -inf (NaN never wins, as in the kernel)."""
+    """The torch path of sharded sampling: each row's best (value float32 [B, 1], global index
+    int32 [B, 1]) over this shard; NO_INDEX where nothing is above -inf."""
     perturbed = race_perturbed(Sampler._scale_and_mask(logits, t), t.seeds, t.sample_steps,
                                vocab_offset)
     x = torch.where((t.temperatures > 0)[:, None], perturbed, logits)  # [B, V_rank]
@@ -308,10 +261,7 @@ def _shard_best(logits: torch.Tensor, t: SamplingTensors, vocab_offset: int
 
 class Sampler(nn.Module):
     """logits [B, V] -> one token per row (plus raw logprobs when asked), on the device.
-
-    use_kernel: on CUDA with triton installed, draw through the fused Triton race kernel;
-    False keeps the torch path everywhere (the reference).
-    """
+    use_kernel: draw through the fused Triton kernel on CUDA; False: the torch reference."""
 
     def __init__(self, use_kernel: bool = True) -> None:
         super().__init__()
@@ -363,12 +313,9 @@ class Sampler(nn.Module):
 
     def sample_shard(self, logits: torch.Tensor, t: SamplingTensors, vocab_offset: int,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-        """Collective over the tensor-parallel ranks: this rank's vocab columns of the logits
-        [B, V_rank] (column j is vocab index vocab_offset + j) -> the batch's tokens int64
-        [B], the same on every rank and the same as `forward` over the whole row. Only for
-        `t.temperature_only` batches: their draw is an argmax of per-token values (the
-        perturbed logits, or the logits of greedy rows), so each rank takes the best of its
-        shard and the ranks exchange one (value, index) per row instead of the logits."""
+        """Collective: this rank's logits [B, V_rank] (column j is vocab index vocab_offset + j)
+        -> int64 [B], the same on every rank and as `forward` over the whole row. Each rank
+        takes its shard's best and the ranks exchange one (value, index) per row."""
         assert t.temperature_only, "sharded sampling draws with temperature alone"
         if self._kernel_for(logits):
             from models.kernels.sample import race_partials
@@ -394,9 +341,8 @@ class Sampler(nn.Module):
     def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         # Greedy rows divide by 1; their draw is discarded by the caller.
         logits = Sampler._scale_and_mask(logits, t)
-        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p. In log space
-        # it is argmax_i logit_i - log E_i (softmax's normaliser is common to the row), so no
-        # softmax is needed and masked tokens (-inf) can never win.
+        # Exponential race: argmax_i logit_i - log E_i, E_i ~ Exp(1), draws from softmax; masked
+        # tokens (-inf) never win.
         return race_perturbed(logits, t.seeds, t.sample_steps).argmax(dim=-1)  # [B]
 
     @staticmethod
@@ -404,9 +350,8 @@ class Sampler(nn.Module):
         """The draw and the greedy merge in one kernel; greedy rows (T = 0) get the argmax."""
         if not (t.any_top_k or t.any_top_p or t.any_min_p):
             return _race_argmax(logits, t, t.temperatures)
-        # The masks need logits / T, so divide here as the torch path does and let the kernel
-        # divide sampled rows by 1 (exact). Greedy rows were divided by 1 and every mask keeps
-        # a row's maximum (and all its ties), so their argmax is unchanged.
+        # The masks need logits / T: divide here and let the kernel divide by 1 (exact). Every
+        # mask keeps a row's maximum, so greedy rows' argmax is unchanged.
         unit = (t.temperatures > 0).to(torch.float32)  # [B], 1 sampled / 0 greedy
         return _race_argmax(Sampler._scale_and_mask(logits, t), t, unit)
 

@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # installed before anything that depends on torch so no CUDA wheel is pulled in.
 TORCH_SPEC ?= torch==2.13.0
 RUN_DIR ?= .run
+TINY := $(RUN_DIR)/tiny/config.json
 PYTEST_ARGS ?=
 
 .PHONY: venv test test-fast lint proto run bench clean
@@ -36,10 +37,14 @@ proto: venv
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
 		--grpc_python_out=proto proto/nanoserve/v1/nanoserve.proto
 
-run: venv
+# The small random Qwen3 checkpoint `make run` and `make bench` serve.
+$(TINY): | $(STAMP)
+	$(BIN)/nanoserve tiny-model $(RUN_DIR)/tiny
+
+run: $(TINY)
 	BIN=$(BIN) RUN_DIR=$(RUN_DIR) bash deploy/local-run.sh
 
-bench: venv
+bench: $(TINY)
 	$(BIN)/nanoserve bench offline --model $(RUN_DIR)/tiny --device auto --num-seqs 32 \
 		--max-input-len 256 --max-output-len 128 --min-input-len 16 --min-output-len 16 \
 		--num-kv-blocks 4096 --max-model-len 512 --no-record

@@ -1,4 +1,4 @@
-"""`nanoserve bench offline|serve|routing` — benchmarks with progress bars; figures go to the
+"""`nanoserve bench offline|serve|routing|soak` — benchmarks with progress bars; figures go to the
 run log of benchmarks/results.py."""
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ _KINDS = {
     "offline": ("benchmarks.offline", "offline throughput with the LLM class"),
     "serve": ("benchmarks.serve", "concurrent streams against a running engine or router"),
     "routing": ("benchmarks.routing", "multi-tenant workload under each routing policy"),
+    "soak": ("benchmarks.soak", "mixed load with cancels, bad requests and engine restarts"),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_kind", required=True)
-    # Only the chosen kind's module is imported: `bench serve` and `bench routing` must run
+    # metavar: a bare `nanoserve bench` names the benchmarks, not the internal dest
+    sub = parser.add_subparsers(dest="bench_kind", required=True, title="benchmarks",
+                                metavar="{" + ",".join(_KINDS) + "}")
+    # Only the chosen kind's module is imported: `bench serve`, `routing` and `soak` must run
     # where torch is absent (a router pod), `bench offline` needs it.
     chosen = next((a for a in sys.argv[1:] if a in _KINDS), None)
     for kind, (module, help_text) in _KINDS.items():

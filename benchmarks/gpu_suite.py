@@ -1,14 +1,13 @@
 """Every GPU figure in one call: `python -m benchmarks.gpu_suite [--stages ...]`.
 
-Stages: tests (tests/gpu), offline (nano-vllm bench workload, Qwen3-0.6B shape, dummy bf16
-weights), single (one request, 512-token prompt, 512 new tokens, median of 3), serve (the
-same workload as concurrent streams against one engine process), profile (host and kernel
-profile of batch-256 and batch-1 decode steps), tp (Qwen3-8B shape single request at
-TP=1/2/4 where GPUs allow; with --tp-throughput also the workload), families (Llama-3.2-1B
-and Qwen3-30B-A3B shapes, single request and workload, and the MoE workload under the
-profiler). Logs go to $OUT (or
-./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to redirect); a table is
-printed last.
+Stages: tests (tests/gpu); offline (nano-vllm bench workload, Qwen3-0.6B shape, dummy bf16
+weights); single (one request, 512-token prompt, 512 new tokens, median of 3); serve (the
+workload as concurrent streams through a router to one engine, gRPC and OpenAI HTTP);
+profile (host and kernel profile of batch-256 and batch-1 decode steps); tp (Qwen3-8B shape
+single request at TP=1/2/4 where GPUs allow; with --tp-throughput also the workload);
+families (Llama-3.2-1B and Qwen3-30B-A3B shapes, single request and workload, and the MoE
+workload under the profiler). Logs go to $OUT (or ./.out); figures are appended to
+.out/runs.md (NANOSERVE_RESULTS to redirect); a table is printed last.
 """
 
 from __future__ import annotations
@@ -95,27 +94,42 @@ def stage_single(args) -> None:
 
 
 def stage_serve(args) -> None:
+    """The workload as concurrent streams through a router to one engine: gRPC, then the
+    router's OpenAI HTTP front (to compare with the offline stage of the same run)."""
     from benchmarks.procs import ServerProc
+    from clients import Client
 
     OUT.mkdir(parents=True, exist_ok=True)
     engine = ServerProc("engine", ["engine", "--model", args.model_dir, "--port", "0",
                                    "--load-format", "dummy", *args.engine_args])
+    router = None
     try:
         try:
             engine.wait_for("nanoserve engine ready", timeout=240)
-        except RuntimeError:
-            ROWS.append(("serve", "engine did not start (serve_engine.log)", ""))
+            router = ServerProc("router", ["router", "--engine", engine.target, "--port", "0",
+                                           "--http-port", "0"])
+            router.wait_for("router listening on", timeout=60)
+            http = f"127.0.0.1:{router.http_address()[1]}"
+            with Client(engine.target) as client:
+                vocab = str(client.model_info().vocab_size)
+        except RuntimeError as e:
+            ROWS.append(("serve", f"did not start: {str(e)[:200]}", ""))
             return
-        text = sh("serve", nanoserve("bench", "serve", "--target", engine.target), timeout=420)
-        m = re.search(r"Throughput: ([\d.]+) tok/s\s+TTFT p50/p99: ([\d./]+) ms\s+ITL p50/p99: "
-                      r"([\d./]+) ms", text)
-        ROWS.append(("serve (256 streams at once)", _found(m, "tok/s"), "vs offline"))
-        if m:
-            ROWS.append(("serve TTFT / inter-token p50/p99",
-                         f"{m.group(2)} ms / {m.group(3)} ms", ""))
+        for name, target in (("serve", [router.target]), ("serve_http", [http, "--http"])):
+            text = sh(name, nanoserve("bench", "serve", "--target", *target, "--vocab-size",
+                                      vocab), timeout=420)
+            m = re.search(r"Throughput: ([\d.]+) tok/s\s+TTFT p50/p99: ([\d./]+) ms\s+ITL "
+                          r"p50/p99: ([\d./]+) ms", text)
+            ROWS.append((f"{name} via router (256 streams at once)", _found(m, "tok/s"),
+                         "vs offline"))
+            if m:
+                ROWS.append((f"{name} TTFT / inter-chunk p50/p99",
+                             f"{m.group(2)} ms / {m.group(3)} ms", ""))
     finally:
-        engine.stop(timeout=60)
-        (OUT / "serve_engine.log").write_text(engine.output())
+        for proc in (router, engine):
+            if proc is not None:
+                proc.stop(timeout=60)
+                (OUT / f"serve_{proc.name}.log").write_text(proc.output())
 
 
 def stage_profile(args) -> None:

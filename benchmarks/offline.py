@@ -61,7 +61,9 @@ def main(args: argparse.Namespace) -> int:
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == total, f"expected {total} tokens (ignore_eos), got {produced}"
     tps = total / elapsed
-    print(f"Total: {total} tok, Time: {elapsed:.2f}s, Throughput: {tps:.2f} tok/s")
+    print(f"Total: {total} tok, Time: {elapsed:.2f}s, Throughput: {tps:.2f} tok/s (output "
+          f"tokens / wall time; the bar's prefill= and decode= are prompt and decode tokens "
+          f"per wall-clock second)")
     busy = stats.seconds - stats.wait_seconds
     new = {k: n - compiled.get(k, 0) for k, n in _triton_variants().items()
            if n > compiled.get(k, 0)}

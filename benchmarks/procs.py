@@ -1,10 +1,12 @@
-"""`nanoserve` subprocesses (engines, routers) on loopback ports, for benchmarks and tests.
+"""`nanoserve` subprocesses (engines, routers) on loopback ports, for benchmarks and tests,
+and what Linux's /proc tells of them (children, resident memory).
 
 Torch-free: it only starts processes and reads their output."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -28,6 +30,7 @@ class ServerProc:
                  max_lines: int | None = None) -> None:
         self.name = name
         self.args = args
+        self.env = env
         self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
         self.port = 0
         self._changed = threading.Condition()
@@ -41,6 +44,10 @@ class ServerProc:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def restarted(self) -> ServerProc:
+        """The same command again, on this one's port (argparse keeps the last --port)."""
+        return ServerProc(self.name, [*self.args, "--port", str(self.port)], self.env,
+                          self.lines.maxlen)
     def output(self) -> str:
         return "".join(list(self.lines))
 
@@ -68,6 +75,14 @@ class ServerProc:
                                        f"got {what} (exit code {self.proc.poll()}):\n{tail}")
                 self._changed.wait(min(left, 0.5))
 
+    def http_address(self, timeout: float = 30) -> tuple[str, int]:
+        """(scheme, port) of the OpenAI HTTP front, from the line the server prints."""
+        line = re.compile(r"OpenAI API on (https?)://\S+:(\d+)")
+        self.wait_until(lambda lines: any(line.search(x) for x in lines), "its HTTP line",
+                        timeout)
+        match = next(m for x in list(self.lines) if (m := line.search(x)))
+        return match.group(1), int(match.group(2))
+
     def wait_for(self, marker: str, timeout: float) -> None:
         self.wait_until(lambda lines: any(marker in x for x in lines), repr(marker), timeout)
 
@@ -82,3 +97,30 @@ class ServerProc:
                 self.proc.wait(5)
         return self.proc.returncode
 
+
+def child_pids(pid: int) -> list[int]:
+    """The children of process `pid`; none once it is gone."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def core_pid(engine_pid: int) -> int:
+    """The engine core: the engine's spawned child (not multiprocessing's resource tracker)."""
+    children = child_pids(engine_pid)
+    for pid in children:
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise RuntimeError(f"no core process among the engine's children {children}")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid`, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")

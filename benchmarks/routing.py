@@ -250,7 +250,7 @@ def start_engines(args: argparse.Namespace, stack: contextlib.ExitStack) -> list
 def start_router(args: argparse.Namespace, engines: list[str], policy: str,
                  stack: contextlib.ExitStack) -> ServerProc:
     """A router for `policy`, returned once every engine is serving in its pool."""
-    cmd = ["router", "--host", "127.0.0.1", "--port", "0", "--policy", policy]
+    cmd = ["router", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--policy", policy]
     for e in engines:
         cmd += ["--engine", e]
     for flag in ("cache_weight", "load_guard_ratio", "load_guard_min"):

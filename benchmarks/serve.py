@@ -1,12 +1,15 @@
-"""`nanoserve bench serve --target HOST:PORT`: the nano-vllm bench workload as concurrent
-gRPC streams; output tok/s, TTFT and inter-token latency percentiles."""
+"""`nanoserve bench serve --target HOST:PORT [--http]`: the nano-vllm bench workload as
+concurrent streams, gRPC or (--http: the target is an HTTP port) OpenAI /v1/completions
+with server-sent events; output tok/s, TTFT and inter-token latency percentiles."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 
 from tqdm.auto import tqdm
 
@@ -16,22 +19,54 @@ from benchmarks.workload import BenchRequest, add_workload_arguments, workload_f
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="engine or router HOST:PORT")
+    parser.add_argument("--http", action="store_true",
+                        help="--target is an OpenAI HTTP port: stream /v1/completions")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="the model's (default: ask the target; a router's gRPC port, "
+                             "which serves no Engine service, needs it given)")
     parser.add_argument("--concurrency", type=int, default=0,
                         help="streams open at once (0: every request at once)")
     add_workload_arguments(parser)
     parser.add_argument("--no-record", action="store_true", help="do not log the figures")
 
 
-async def _one(client, req: BenchRequest, seed: int, temperature: float, sem, bar,
+async def _grpc_stream(client, req: BenchRequest, seed: int, temperature: float
+                       ) -> AsyncIterator[int]:
+    """Tokens per chunk."""
+    async for chunk in client.stream(req.prompt_token_ids, max_tokens=req.max_tokens,
+                                     temperature=temperature, ignore_eos=True, seed=seed):
+        yield len(chunk.token_ids)
+
+
+async def _http_stream(client, req: BenchRequest, seed: int, temperature: float
+                       ) -> AsyncIterator[int]:
+    """Tokens per chunk: each choice event counts one token (text may be empty: ids the
+    tokenizer cannot show), the usage event the rest."""
+    body = {"model": None, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
+            "temperature": temperature, "ignore_eos": True, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        counted = 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                yield event["usage"]["completion_tokens"] - counted
+            elif event["choices"]:
+                counted += 1
+                yield 1
+
+
+async def _one(stream, req: BenchRequest, seed: int, temperature: float, sem, bar,
                ttfts: list[float], itls: list[float]) -> int:
     async with sem:
         t0 = time.perf_counter()
         last = None
         n = 0
-        async for chunk in client.stream(req.prompt_token_ids, max_tokens=req.max_tokens,
-                                         temperature=temperature, ignore_eos=True, seed=seed):
+        async for k in stream(req, seed, temperature):
             now = time.perf_counter()
-            k = len(chunk.token_ids)
             if k:
                 if last is None:
                     ttfts.append(now - t0)
@@ -44,18 +79,32 @@ async def _one(client, req: BenchRequest, seed: int, temperature: float, sem, ba
 
 
 async def run(args: argparse.Namespace) -> dict[str, float]:
-    from clients import AsyncClient
+    if args.http:
+        import httpx
 
-    async with AsyncClient(args.target) as client:
-        info = await client.model_info()
-        reqs = workload_from_args(args, info.vocab_size)
+        client = httpx.AsyncClient(base_url=f"http://{args.target}", timeout=None,
+                                   limits=httpx.Limits(max_connections=None))
+        vocab = lambda: client.get("/get_server_info")
+        stream = lambda req, seed, t: _http_stream(client, req, seed, t)
+    else:
+        from clients import AsyncClient
+
+        client = AsyncClient(args.target)
+        vocab = client.model_info
+        stream = lambda req, seed, t: _grpc_stream(client, req, seed, t)
+    async with client:
+        vocab_size = args.vocab_size
+        if vocab_size is None:
+            info = await vocab()
+            vocab_size = info.json()["vocab_size"] if args.http else info.vocab_size
+        reqs = workload_from_args(args, vocab_size)
         sem = asyncio.Semaphore(args.concurrency or len(reqs))
         ttfts: list[float] = []
         itls: list[float] = []
         bar = tqdm(total=len(reqs), desc="Streams", dynamic_ncols=True)
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(
-            _one(client, r, i, args.temperature, sem, bar, ttfts, itls)
+            _one(stream, r, i, args.temperature, sem, bar, ttfts, itls)
             for i, r in enumerate(reqs)))
         elapsed = time.perf_counter() - t0
         bar.close()
@@ -77,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
           f"{r['ttft_p99']*1e3:.1f} ms  ITL p50/p99: {r['itl_p50']*1e3:.2f}/"
           f"{r['itl_p99']*1e3:.2f} ms")
     if not args.no_record:
-        record(f"serving throughput against {args.target}", {
+        record(f"serving throughput against {args.target}{' (HTTP)' * args.http}", {
             "requests": str(r["requests"]), "output tokens": str(r["tokens"]),
             "throughput": f"{r['throughput']:.1f} output tok/s",
             "TTFT p50 / p99": f"{r['ttft_p50']*1e3:.1f} / {r['ttft_p99']*1e3:.1f} ms",

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 # name -> (owner module, one-line help); static so `nanoserve --help` imports nothing.
@@ -25,10 +28,22 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def package_version() -> str:
+    """The installed package's version; pyproject.toml's when run from a checkout that was
+    never installed."""
+    try:
+        return importlib.metadata.version("nanoserve")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M)
+        return found.group(1) if found else "unknown"
+
+
 def build_parser(chosen: str | None) -> tuple[argparse.ArgumentParser, ModuleType | None]:
     """The top-level parser; only `chosen`'s owner module is imported to fill its parser."""
     parser = argparse.ArgumentParser(
         prog="nanoserve", description="nanoserve: LLM serving over gRPC.")
+    parser.add_argument("--version", action="version", version=f"nanoserve {package_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     owner: ModuleType | None = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.errors import from_rpc_error
+from engine_service.common.api_key import key_metadata
+from engine_service.common.sampling_params import SamplingParams
 from engine_service.common.tls import (
     ChannelOptions,
     channel_credentials,
@@ -39,6 +41,8 @@ SAMPLING_FIELDS: frozenset[str] = frozenset(
     f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
 _REPEATED_FIELDS: frozenset[str] = frozenset(
     f.name for f in pb.SamplingParams.DESCRIPTOR.fields if _is_repeated(f))
+# Fields the engines check in SamplingParams; the client runs the same checks before sending.
+_CHECKED_FIELDS: frozenset[str] = frozenset(f.name for f in fields(SamplingParams))
 
 
 def build_request(prompt: Prompt, request_id: str | None = None,
@@ -47,7 +51,8 @@ def build_request(prompt: Prompt, request_id: str | None = None,
 
     `stop` may be one string. Raises TypeError for an unknown keyword or a prompt of the
     wrong shape, ValueError for an empty prompt list or a value the proto cannot hold
-    (e.g. a negative max_tokens). Range checks beyond that are the server's job.
+    (e.g. a negative max_tokens). Range checks are left to check_sampling, which Client and
+    AsyncClient run first, and to the server, so a test can build an out-of-range request.
     """
     unknown = sorted(set(sampling) - SAMPLING_FIELDS)
     if unknown:
@@ -59,6 +64,13 @@ def build_request(prompt: Prompt, request_id: str | None = None,
         if value is not None:
             _set_sampling_field(request.sampling, name, value)
     return request
+
+
+def check_sampling(sampling: Mapping[str, Any]) -> None:
+    """ValueError for a sampling value out of range: the engines' own check and message
+    ("max_tokens must be >= 1, got -1"); what needs the model (prompt length, vocabulary)
+    is left to the server."""
+    SamplingParams(**{k: v for k, v in sampling.items() if k in _CHECKED_FIELDS and v is not None})
 
 
 def _set_prompt(request: pb.GenerateRequest, prompt: Prompt) -> None:
@@ -185,6 +197,7 @@ def _prepare(prompt: Prompt, kwargs: dict[str, Any],
     timeout = kwargs.pop("timeout", None)
     timeout = default_timeout if timeout is None else timeout
     request_id = kwargs.pop("request_id", None)
+    check_sampling(kwargs)  # before anything is sent, in the engines' words
     return build_request(prompt, request_id=request_id, **kwargs), timeout
 
 
@@ -197,15 +210,18 @@ class Client:
     instead of failing fast with Unavailable. `tls_ca` (a PEM file) connects over TLS and
     verifies the server against that CA; `tls_cert` and `tls_key` add a client certificate
     for servers that require one (mTLS). Without `tls_ca` the channel is plaintext.
+    `api_key` is sent as `authorization: Bearer KEY` on every call (servers run with
+    --api-key require it).
     """
 
     def __init__(self, target: str, timeout: float | None = None, *,
                  wait_for_ready: bool = False, options: ChannelOptions = (),
                  tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, api_key: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
+        self._metadata = key_metadata(api_key)
         self._channel = open_channel(target, _credentials(tls_ca, tls_cert, tls_key), options)
         self._generation = pb_grpc.GenerationStub(self._channel)
         self._engine = pb_grpc.EngineStub(self._channel)
@@ -223,7 +239,7 @@ class Client:
         return self._stream(request, timeout)
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[Chunk]:
-        call = self._generation.Stream(request, timeout=timeout,
+        call = self._generation.Stream(request, timeout=timeout, metadata=self._metadata,
                                        wait_for_ready=self.wait_for_ready)
         try:
             for message in call:
@@ -248,7 +264,8 @@ class Client:
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         timeout = self.timeout if timeout is None else timeout
         try:
-            return method(request, timeout=timeout, wait_for_ready=self.wait_for_ready)
+            return method(request, timeout=timeout, metadata=self._metadata,
+                          wait_for_ready=self.wait_for_ready)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
 
@@ -263,7 +280,7 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with Client's API and TLS keywords: `await generate(...)`,
+    """asyncio client with Client's API and keywords (TLS, api_key): `await generate(...)`,
     `async for c in stream(...)`.
 
     The channel is opened on first use, inside the running event loop (grpc.aio channels
@@ -273,10 +290,11 @@ class AsyncClient:
     def __init__(self, target: str, timeout: float | None = None, *,
                  wait_for_ready: bool = False, options: ChannelOptions = (),
                  tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, api_key: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
+        self._metadata = key_metadata(api_key)
         self._options = list(options)
         self._credentials = _credentials(tls_ca, tls_cert, tls_key)
         self._channel: grpc.aio.Channel | None = None
@@ -299,7 +317,8 @@ class AsyncClient:
     async def _stream(self, request: pb.GenerateRequest,
                       timeout: float | None) -> AsyncIterator[Chunk]:
         stub = pb_grpc.GenerationStub(self._get_channel())
-        call = stub.Stream(request, timeout=timeout, wait_for_ready=self.wait_for_ready)
+        call = stub.Stream(request, timeout=timeout, metadata=self._metadata,
+                           wait_for_ready=self.wait_for_ready)
         try:
             async for message in call:
                 yield Chunk.from_proto(message)
@@ -325,7 +344,8 @@ class AsyncClient:
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         timeout = self.timeout if timeout is None else timeout
         try:
-            return await method(request, timeout=timeout, wait_for_ready=self.wait_for_ready)
+            return await method(request, timeout=timeout, metadata=self._metadata,
+                                wait_for_ready=self.wait_for_ready)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
 

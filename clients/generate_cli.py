@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", default=None)
     parser.add_argument("--request-id")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="for servers run with --api-key (sent as 'authorization: Bearer')")
     add_tls_arguments(parser)
 
 
@@ -69,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         with Client(args.target, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                    tls_key=args.tls_key) as client:
+                    tls_key=args.tls_key, api_key=args.api_key) as client:
             if args.stream:
                 summary = _stream(client, prompt, _sampling(args))
             else:

@@ -5,6 +5,7 @@ set -euo pipefail
 BIN=${BIN:-.venv/bin}
 RUN_DIR=${RUN_DIR:-.run}
 ROUTER_PORT=${ROUTER_PORT:-50050}
+HTTP_PORT=${HTTP_PORT:-8000}  # the router's OpenAI API
 ENGINE_PORTS=(${ENGINE_PORTS:-50061 50062})
 PROMPT=${PROMPT:-"Tell me about the paged KV cache."}
 mkdir -p "$RUN_DIR"
@@ -14,6 +15,16 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT INT TERM
+
+# A second `make run` while the first serves must fail here, not report the first run's
+# servers as its own once its own engines died on the bind.
+for port in "$ROUTER_PORT" "$HTTP_PORT" "${ENGINE_PORTS[@]}"; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    echo "error: port $port on 127.0.0.1 is taken (is another \`make run\` serving?); stop it" \
+      "or choose other ports with ROUTER_PORT=... HTTP_PORT=... ENGINE_PORTS='...'" >&2
+    exit 1
+  fi
+done
 
 [ -f "$RUN_DIR/tiny/config.json" ] || "$BIN/nanoserve" tiny-model "$RUN_DIR/tiny"
 
@@ -29,17 +40,22 @@ for port in "${ENGINE_PORTS[@]}"; do
   pids+=($!)
   engines+=(--engine "127.0.0.1:$port")
 done
-"$BIN/nanoserve" router "${engines[@]}" --port "$ROUTER_PORT" >"$RUN_DIR/router.log" 2>&1 &
+"$BIN/nanoserve" router "${engines[@]}" --port "$ROUTER_PORT" --http-port "$HTTP_PORT" >"$RUN_DIR/router.log" 2>&1 &
 pids+=($!)
 
 echo "waiting for engines ${ENGINE_PORTS[*]} and the router on :$ROUTER_PORT (logs in $RUN_DIR/)"
-"$BIN/python" - "$ROUTER_PORT" "${ENGINE_PORTS[@]}" <<'PY'
-import sys, time
+PIDS="${pids[*]}" "$BIN/python" - "$ROUTER_PORT" "${ENGINE_PORTS[@]}" <<'PY'
+import os, sys, time
 from clients import Client
 targets = [f"127.0.0.1:{p}" for p in sys.argv[1:]]
 deadline = time.monotonic() + 180
 for t in targets[1:] + targets[:1]:  # engines first, then the router
     while True:
+        for pid in os.environ["PIDS"].split():  # ours, so no other server answers for them
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                sys.exit("a server of this run exited; see the logs")
         try:
             if Client(t).health(timeout=1) == "SERVING":
                 break
@@ -59,6 +75,7 @@ cat <<MSG
 Call it yourself (router on 127.0.0.1:$ROUTER_PORT; engines on ${ENGINE_PORTS[*]}):
   Python:  $BIN/python -c "from clients import Client; print(Client('127.0.0.1:$ROUTER_PORT').generate('Hello', max_tokens=16).text)"
   Node:    (cd clients/node && NANOSERVE_TARGET=127.0.0.1:$ROUTER_PORT node -e "const {Client}=require('.');new Client(process.env.NANOSERVE_TARGET).generate('Hello',{max_tokens:16}).then(r=>console.log(r.text))")
+  OpenAI:  curl -s http://127.0.0.1:$HTTP_PORT/v1/completions -H 'Content-Type: application/json' -d '{"model":"tiny","prompt":"Hello","max_tokens":16}'
   grpcurl: grpcurl -plaintext -d '{"text":"Hello","sampling":{"max_tokens":16}}' 127.0.0.1:$ROUTER_PORT nanoserve.v1.Generation/Stream   (server reflection is on)
 MSG
 if [ "${RUN_ONCE:-0}" = "1" ]; then exit 0; fi

@@ -7,39 +7,55 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
+from engine_service.common.serving_flags import ServingOptions, add_serving_arguments
 from engine_service.common.tls import add_tls_arguments, check_tls_files, server_credentials
-from engine_service.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS
+from engine_service.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
 
 
 def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The EngineConfig flags (shared with `nanoserve bench`)."""
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
-    parser.add_argument("--device", choices=DEVICES, default="auto")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs for decode")
-    parser.add_argument("--no-async-scheduling", dest="async_scheduling",
-                        action="store_false",
-                        help="wait for each step's tokens before scheduling the next (default: "
-                        "the next step is launched while the device runs this one)")
-    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                        help="dummy: random weights from config.json alone")
-    parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="requests queued beyond max-num-seqs before RESOURCE_EXHAUSTED")
-    parser.add_argument("--core-watchdog-timeout", type=float, default=10.0,
-                        help="seconds the engine core may make no progress while requests "
-                        "are in flight before health turns NOT_SERVING and new requests get "
-                        "UNAVAILABLE (it turns SERVING again once the core makes progress)")
-    parser.add_argument("--seed", type=int, default=0)
+    """The EngineConfig flags (shared with `nanoserve bench`), defaults from EngineConfig
+    so help and config cannot disagree."""
+    d = EngineConfig
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    add = parser.add_argument
+    add("--model", required=True, metavar="DIR",
+        help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    add("--device", choices=DEVICES, default=d.device, help="auto: cuda when available")
+    add("--dtype", choices=DTYPES, default=d.dtype,
+        help="weights and KV cache; auto: the checkpoint's torch_dtype (float32 on CPU)")
+    add("--tensor-parallel-size", type=int, default=d.tensor_parallel_size, metavar="N",
+        help="shard the model over N GPUs (N processes; gloo on CPU)")
+    add("--max-model-len", type=int, default=d.max_model_len, metavar="TOKENS",
+        help="longest prompt + output; None: the model's max_position_embeddings")
+    add("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
+        help="requests in one batch at most")
+    add("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+        metavar="TOKENS", help="tokens in one step at most (longer prefills are chunked)")
+    add("--kv-block-size", type=int, default=d.kv_block_size, metavar="TOKENS",
+        help="tokens per KV-cache block (flash-attn: a multiple of 256)")
+    add("--num-kv-blocks", type=int, default=d.num_kv_blocks, metavar="N",
+        help="KV-cache blocks; None: sized from --gpu-memory-utilization (on CPU, from a "
+             "fixed memory budget)")
+    add("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+        metavar="FRACTION", help="share of GPU memory for weights, activations and KV cache")
+    add("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    add("--no-async-scheduling", dest="async_scheduling", action="store_false",
+        help="wait for each step's tokens before scheduling the next (otherwise the next "
+             "step is launched while the device runs this one)")
+    add("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
+        help="auto: triton on GPU, torch on CPU")
+    add("--load-format", choices=LOAD_FORMATS, default=d.load_format,
+        help="dummy: random weights from config.json alone")
+    add("--max-waiting-requests", type=int, default=d.max_waiting_requests, metavar="N",
+        help="requests queued beyond --max-num-seqs before RESOURCE_EXHAUSTED")
+    add("--core-watchdog-timeout", type=float, default=d.core_watchdog_timeout, metavar="S",
+        help="seconds the engine core may make no progress while requests are in flight "
+             "before health turns NOT_SERVING and new requests get UNAVAILABLE (it turns "
+             "SERVING again once the core makes progress)")
+    add("--seed", type=int, default=d.seed,
+        help="torch's seed, and that of --load-format dummy's random weights")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -59,16 +75,19 @@ def engine_config_from_args(args: argparse.Namespace):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_config_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (also metrics)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
-    parser.add_argument("--engine-id", default=None, help="id reported to clients "
-                        "(default HOST:PORT)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="Prometheus /metrics port (default: off)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--engine-id", default=None, help="id reported to clients; None: "
+                        "HOST:PORT")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="Prometheus /metrics port; None: off")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="seconds in-flight requests get to finish after SIGTERM")
-    parser.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
-    add_tls_arguments(parser, cert_help="serve TLS with this certificate chain",
+    parser.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"),
+                        help="logging level (env NANOSERVE_LOG_LEVEL sets the default)")
+    add_serving_arguments(parser, http_port=None,
+                          model_name_help="None: the model directory's name")
+    add_tls_arguments(parser, cert_help="serve TLS (gRPC and HTTP) with this certificate chain",
                       ca_help="require client certificates signed by this CA (mTLS)")
 
 
@@ -79,12 +98,19 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         check_tls_files(args.tls_cert, args.tls_key, args.tls_ca, ca_alone=False)
+        serving = ServingOptions(args.http_port, args.served_model_name, args.api_key,
+                                 args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as e:
         print(f"error: {e}")
         return 2
     from engine_service.server import serve
 
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
-    return asyncio.run(serve(config, host=args.host, port=args.port, engine_id=args.engine_id,
-                             metrics_port=args.metrics_port, drain_timeout=args.drain_timeout,
-                             credentials=credentials))
+    try:
+        return asyncio.run(serve(config, host=args.host, port=args.port,
+                                 engine_id=args.engine_id, metrics_port=args.metrics_port,
+                                 drain_timeout=args.drain_timeout, credentials=credentials,
+                                 serving=serving))
+    except OSError as e:  # a port that is taken: the message names it
+        print(f"nanoserve engine: error: {e}", file=sys.stderr)
+        return 1

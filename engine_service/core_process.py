@@ -6,7 +6,7 @@ multiprocessing pipes (one reader and one writer on each end, so no locking):
 
   frontend -> core: AddRequest | AbortRequest | Shutdown
   core -> frontend: CoreReady (once, after the model loaded) | CoreFailed | StepOutputs
-                    (per step: request outputs, KV events, load) | AddRejected
+                    (per step: request outputs, KV events, load, admissions) | AddRejected
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from engine_service.block_manager import KvEvent
 from engine_service.common.sampling_params import SamplingParams
 from engine_service.config import EngineConfig, cpu_threads
 from engine_service.engine import RequestOutput
+from engine_service.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.5
@@ -77,11 +78,20 @@ class AddRejected:
 
 
 @dataclass
+class Admitted:
+    """A request's first schedule: what vLLM's queue-time and prefix-cache metrics count."""
+    queue_seconds: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
 class StepOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     kv_events: list[KvEvent] = field(default_factory=list)
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     aborted: list[str] = field(default_factory=list)
+    admitted: list[Admitted] = field(default_factory=list)
 
 
 def _load(engine) -> LoadSnapshot:
@@ -123,8 +133,22 @@ def run_core(config: EngineConfig, requests: Connection, outputs: Connection) ->
         engine.shutdown()
 
 
+def _take_admitted(queued: dict[str, tuple[Sequence, float]],
+                   scheduled_at: float) -> list[Admitted]:
+    """Pop the sequences of `queued` (id -> sequence, time added) that left the waiting
+    queue (the step may also have finished them)."""
+    admitted = []
+    for rid, (seq, added) in list(queued.items()):
+        if seq.status is not SequenceStatus.WAITING:
+            del queued[rid]
+            admitted.append(Admitted(scheduled_at - added, seq.num_prompt_tokens,
+                                     seq.num_cached_tokens))
+    return admitted
+
+
 def _loop(engine, requests: Connection, outputs: Connection) -> None:
     last_sent = time.monotonic()
+    queued: dict[str, tuple[Sequence, float]] = {}  # not yet scheduled, and when added
     while True:
         engine.model_runner.check_alive()  # a dead tensor-parallel rank fails even when idle
         # Block only when there is nothing to step; otherwise just drain what arrived.
@@ -138,18 +162,23 @@ def _loop(engine, requests: Connection, outputs: Connection) -> None:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, AbortRequest):
+                queued.pop(msg.request_id, None)
                 if engine.abort(msg.request_id):
                     aborted.append(msg.request_id)
             elif isinstance(msg, AddRequest):
                 try:
-                    engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
+                    seq = engine.add_request(msg.request_id, msg.prompt_token_ids,
+                                             msg.sampling_params)
+                    queued[msg.request_id] = (seq, time.monotonic())
                 except ValueError as e:
                     outputs.send(AddRejected(msg.request_id, str(e)))
         stepped = engine.has_unfinished()
+        scheduled_at = time.monotonic()
         step_outputs = engine.step() if stepped else []
+        admitted = _take_admitted(queued, scheduled_at) if queued else []
         events = engine.take_kv_events()
         now = time.monotonic()
-        if step_outputs or events or aborted or changed or (
+        if step_outputs or events or aborted or changed or admitted or (
                 stepped and now - last_sent >= HEARTBEAT_SECONDS):
-            outputs.send(StepOutputs(step_outputs, events, _load(engine), aborted))
+            outputs.send(StepOutputs(step_outputs, events, _load(engine), aborted, admitted))
             last_sent = now

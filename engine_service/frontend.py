@@ -63,8 +63,10 @@ class RequestState:
 
 class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     def __init__(self, *, model_dir: str, engine_id: str, requests: Connection,
-                 outputs: Connection, max_in_flight: int, metrics: EngineMetrics):
+                 outputs: Connection, max_in_flight: int, metrics: EngineMetrics,
+                 model_name: str | None = None):
         self.model_dir = model_dir
+        self.model_name = model_name or Path(model_dir).name  # --served-model-name
         self.engine_id = engine_id
         # A --load-format dummy directory may hold only config.json: token ids in and out.
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
@@ -130,11 +132,14 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         if isinstance(msg, core.StepOutputs):
             self.load = msg.load
             self.metrics.observe_load(msg.load)
+            self.metrics.observe_admitted(msg.admitted)
+            now = time.perf_counter()
             for out in msg.outputs:
                 state = self.registry.get(out.request_id)
                 if out.finished:
                     self.owed.discard(out.request_id)
                 if state is not None:
+                    self._observe_tokens(state, out, now)
                     state.queue.put_nowait(out)
             self.owed.difference_update(msg.aborted)
             for rid in msg.aborted:
@@ -162,6 +167,18 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             self.core_gone.set()
             for state in self.registry.values():
                 state.queue.put_nowait(msg)
+
+    def _observe_tokens(self, state: RequestState, out: RequestOutput, now: float) -> None:
+        """Token metrics as the core's output arrives, not as a slow client reads it."""
+        if not out.new_token_ids:
+            return
+        if state.last_token_time is None:
+            self.metrics.ttft.observe(now - state.arrival)
+            self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
+        else:
+            self.metrics.itl.observe((now - state.last_token_time) / len(out.new_token_ids))
+        state.last_token_time = now
+        self.metrics.generation_tokens.inc(len(out.new_token_ids))
 
     def _core_progressed(self) -> None:
         now = time.monotonic()
@@ -208,7 +225,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     # ------------------------------------------------------------ request intake
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> NoReturn:
-        self.metrics.requests.labels(outcome=code.name.lower()).inc()
+        self.metrics.error(code.name)
         raise Refused(code, message)
 
     async def _submit(self, request: pb.GenerateRequest) -> RequestState:
@@ -266,7 +283,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         # often fires first, so its cancel can beat ours by a few milliseconds.
         left = context.time_remaining()
         expired = left is not None and left < DEADLINE_SLACK_S
-        self.metrics.requests.labels(outcome="deadline_exceeded" if expired else "cancelled").inc()
+        self.metrics.error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
+        self.metrics.finished["abort"].inc()
 
     def _release(self, state: RequestState) -> None:
         if not state.done:  # cancelled, expired, or ended by a stop string: free its blocks
@@ -300,14 +318,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     def _apply_output(self, state: RequestState, out: RequestOutput,
                       chunk: pb.GenerateChunk) -> bool:
         """Add one step's output to the chunk; True when the request has ended."""
-        now = time.perf_counter()
-        if out.new_token_ids:
-            if state.last_token_time is None:
-                self.metrics.ttft.observe(now - state.arrival)
-            else:
-                self.metrics.itl.observe((now - state.last_token_time) / len(out.new_token_ids))
-            state.last_token_time = now
-            state.num_output_tokens += len(out.new_token_ids)
+        state.num_output_tokens += len(out.new_token_ids)
         chunk.token_ids.extend(out.new_token_ids)
         for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=False):
             if lp is not None:
@@ -331,9 +342,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         chunk.usage.CopyFrom(pb.Usage(prompt_tokens=state.num_prompt_tokens,
                                       completion_tokens=state.num_output_tokens,
                                       cached_prompt_tokens=out.num_cached_tokens))
-        if out.num_cached_tokens:
-            self.metrics.prefix_hit_tokens.inc(out.num_cached_tokens)
-        self.metrics.requests.labels(outcome=reason or "abort").inc()
+        self.metrics.finished[reason or "abort"].inc()
+        self.metrics.e2e.observe(time.perf_counter() - state.arrival)
         if reason == "stop" and not out.finished:
             self._release(state)  # a stop string: abort in the core now
         state.done = True
@@ -370,7 +380,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     async def GetModelInfo(self, request, context):
         self._wait_ready()
         info = self.model_info
-        return pb.ModelInfo(model_name=Path(self.model_dir).name, engine_id=self.engine_id,
+        return pb.ModelInfo(model_name=self.model_name, engine_id=self.engine_id,
                             architecture=info["architecture"],
                             max_model_len=info["max_model_len"],
                             kv_block_size=info["kv_block_size"],

@@ -62,8 +62,7 @@ class LLM:
         detoks: dict[str, IncrementalDetokenizer] = {}
         order: list[str] = []
         try:
-            # add_request validates each prompt (once); a bad one raises before any step
-            # runs, and the requests added before it are aborted below.
+            # A bad prompt raises before any step runs; the requests added before it are aborted.
             for ids, sp in zip(token_lists, sampling_params, strict=True):
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(rid, ids, sp)
@@ -82,17 +81,14 @@ class LLM:
              detoks: dict[str, IncrementalDetokenizer], use_tqdm: bool) -> None:
         bar = tqdm(total=len(outputs), desc="Generating", disable=not use_tqdm,
                    dynamic_ncols=True)
-        prefill_tps = decode_tps = 0.0
+        # The bar shows prompt (prefill=) and decode (decode=) tokens per wall-clock second
+        # since the start, so decode= tends to the run's output throughput. A step's own time
+        # is only its launch under async scheduling: per-step rates would mean little.
+        start, totals = time.perf_counter(), self.engine.total_stats
+        base = (totals.num_prefill_tokens, totals.num_decode_tokens)
         pending = set(outputs)
         while pending:
-            t0 = time.perf_counter()
             step_outputs = self.engine.step()
-            dt = max(time.perf_counter() - t0, 1e-9)
-            stats = self.engine.last_stats
-            if stats.num_prefill_tokens:
-                prefill_tps = stats.num_prefill_tokens / dt
-            if stats.num_decode_tokens:
-                decode_tps = stats.num_decode_tokens / dt
             # Runs for every row of every step: no generator per output.
             for ro in step_outputs:
                 if ro.request_id not in pending:
@@ -116,6 +112,9 @@ class LLM:
                     pending.discard(ro.request_id)
                     bar.update(1)
             if use_tqdm:
-                bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s",
-                                decode=f"{decode_tps:.0f}tok/s", refresh=False)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix(
+                    prefill=f"{(totals.num_prefill_tokens - base[0]) / elapsed:.0f}tok/s",
+                    decode=f"{(totals.num_decode_tokens - base[1]) / elapsed:.0f}tok/s",
+                    refresh=False)
         bar.close()

@@ -8,13 +8,20 @@ import contextlib
 import logging
 import multiprocessing as mp
 import signal
+import socket
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_service import core_process as core
+from engine_service.common.api_key import api_key_interceptors
+from engine_service.common.http_server import Backend, HttpServer, bind_http, build_app, serve_http
+from engine_service.common.openai_protocol import ModelCard
 from engine_service.common.proto_convert import MAX_PROMPT_BYTES_PER_TOKEN, StatusInterceptor
+from engine_service.common.serving_flags import ServingOptions
 from engine_service.common.tls import add_port
 from engine_service.config import EngineConfig
 from engine_service.frontend import Frontend
@@ -47,23 +54,30 @@ def start_core_process(config: EngineConfig):
 
 async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | None,
                 metrics_port: int | None, drain_timeout: float,
-                credentials: grpc.ServerCredentials | None = None) -> int:
-    proc, req_send, out_recv = start_core_process(config)
+                credentials: grpc.ServerCredentials | None = None,
+                serving: ServingOptions | None = None) -> int:
+    serving = serving or ServingOptions()
     # Room for the largest prompt we accept (refused with INVALID_ARGUMENT past its limit);
     # grpc refuses anything larger before it is parsed.
     max_message = max(GRPC_DEFAULT_MAX_MESSAGE,
                       config.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN + REQUEST_FIELDS_ROOM)
-    server = grpc.aio.server(interceptors=[StatusInterceptor()],
+    server = grpc.aio.server(interceptors=[*api_key_interceptors(serving.api_key),
+                                           StatusInterceptor()],
                              options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", max_message)])
+    # Both ports first: a taken one fails at once (OSError naming it), before the model loads.
     bound = add_port(server, f"{host}:{port}", credentials)
-    if bound == 0:
-        raise SystemExit(f"error: cannot listen on {host}:{port}")
-    metrics = EngineMetrics()
+    model_name = serving.served_model_name or Path(config.model).name
+    metrics = EngineMetrics(model_name=model_name)
+    if metrics_port:
+        metrics.serve(metrics_port, host)
+    http_socket = None if serving.http_port is None else bind_http(host, serving.http_port)
+    proc, req_send, out_recv = start_core_process(config)
     frontend = Frontend(model_dir=config.model, engine_id=engine_id or f"{host}:{bound}",
                         requests=req_send, outputs=out_recv,
                         max_in_flight=config.max_num_seqs + config.max_waiting_requests,
-                        metrics=metrics)
+                        metrics=metrics, model_name=model_name)
+    metrics.core_stalled.set_function(lambda: float(frontend.core_stalled))
     pb_grpc.add_GenerationServicer_to_server(frontend, server)
     pb_grpc.add_EngineServicer_to_server(frontend, server)
     health_servicer = health.aio.HealthServicer()
@@ -72,16 +86,23 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
 
+    health_now = health_pb2.HealthCheckResponse.NOT_SERVING  # what /health answers too
+
     async def set_health(status) -> None:
+        nonlocal health_now
+        health_now = status
         for name in ("", *SERVICE_NAMES):
             await health_servicer.set(name, status)
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    if metrics_port:
-        metrics.serve(metrics_port, host)
     frontend.start()
     print(f"nanoserve engine listening on {host}:{bound}", flush=True)
+    http = None
+    if http_socket is not None:
+        http = await _serve_openai(frontend, metrics, http_socket, serving,
+                                   lambda: health_now == health_pb2.HealthCheckResponse.SERVING)
+        print(f"nanoserve engine OpenAI API on {http.scheme}://{host}:{http.port}", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -127,6 +148,8 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
             logger.warning("drain timeout (%.0fs) with %d requests in flight", drain_timeout,
                            len(frontend.registry))
     await server.stop(grace=1.0)
+    if http is not None:
+        await http.stop(grace=1.0)
     frontend.stopping = True
     with contextlib.suppress(OSError):
         req_send.send(core.Shutdown())
@@ -136,3 +159,19 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
     for t in (ready, gone, stopping):
         t.cancel()
     return exit_code
+
+
+async def _serve_openai(frontend: Frontend, metrics: EngineMetrics, sock: socket.socket,
+                        serving: ServingOptions, is_serving: Callable[[], bool]) -> HttpServer:
+    """The OpenAI HTTP front on `sock`, feeding the frontend's Stream handler."""
+
+    def card() -> ModelCard | None:
+        info = frontend.model_info
+        return None if info is None else ModelCard(frontend.model_name, info["max_model_len"],
+                                                   info["vocab_size"])
+
+    backend = Backend(stream=frontend.Stream, model=card, serving=is_serving,
+                      tokenizer=lambda: frontend.tokenizer, registry=metrics.registry,
+                      api_key=serving.api_key)
+    return await serve_http(build_app(backend), sock, tls_cert=serving.tls_cert,
+                            tls_key=serving.tls_key, tls_ca=serving.tls_ca)

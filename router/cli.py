@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 
+from engine_service.common.serving_flags import add_serving_arguments
 from engine_service.common.tls import add_tls_arguments
 from router.config import RouterConfig
 from router.policy import POLICIES
@@ -79,8 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=d.log_level, type=str.lower,
                         choices=("debug", "info", "warning", "error"),
                         help="debug logs every routing decision")
-    add_tls_arguments(parser, cert_help="serve TLS with this certificate chain; also the "
-                      "client certificate shown to engines that require one",
+    add_serving_arguments(parser, http_port=d.http_port,
+                          model_name_help="None: the engines' model name (GetModelInfo)",
+                          api_key_help="; the router sends it to the engines too")
+    add_tls_arguments(parser, cert_help="serve TLS (gRPC and HTTP) with this certificate "
+                      "chain; also the client certificate shown to engines that require one",
                       ca_help="connect to engines over TLS, verifying them against this CA")
 
 
@@ -97,7 +101,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout=args.queue_timeout,
         log_level=args.log_level, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_ca=args.tls_ca)
+        tls_ca=args.tls_ca, http_port=args.http_port, served_model_name=args.served_model_name,
+        api_key=args.api_key)
 
 
 async def serve(config: RouterConfig) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_service.common.serving_flags import ServingOptions
 from engine_service.common.tls import check_tls_files
 from router.policy import PolicyConfig
 
@@ -24,6 +25,9 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50050                                  # 0 = any free port
     metrics_port: int | None = None                    # None / 0 = no metrics endpoint
+    http_port: int | None = 8000                       # OpenAI HTTP API; 0 = any, None = off
+    served_model_name: str | None = None               # None: the engines' model name
+    api_key: str | None = None                         # clients' key, sent to engines too
     policy: str = "prefix"
     tokenizer: str | None = None                       # dir; None = fetch from an engine
     cache_weight: float = 1.0
@@ -72,6 +76,13 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         self.policy_config()  # validates policy, cache weight and guard
         check_tls_files(self.tls_cert, self.tls_key, self.tls_ca, ca_alone=True)
+        self.serving_options()  # validates the HTTP port, model name and key
+
+    def serving_options(self) -> ServingOptions:
+        """The HTTP front's settings; its TLS is the router's serving certificate (its
+        --tls-ca verifies engines, it does not ask clients for certificates)."""
+        return ServingOptions(self.http_port, self.served_model_name, self.api_key,
+                              self.tls_cert, self.tls_key)
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(policy=self.policy, cache_weight=self.cache_weight,

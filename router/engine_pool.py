@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_service.common.api_key import key_channel_interceptors
 from engine_service.common.block_hash import HASH_SCHEME
 from engine_service.common.tls import channel_credentials, open_channel
 from nanoserve.v1 import nanoserve_pb2, nanoserve_pb2_grpc
@@ -102,7 +103,8 @@ class EngineClient:
                             split_host_port(config.engine_dns)[0]))
         self.channel = open_channel(
             address, channel_credentials(config.tls_ca, config.tls_cert, config.tls_key),
-            options, aio=True)
+            options, aio=True,  # the router's --api-key goes to the engines too
+            interceptors=key_channel_interceptors(config.api_key))
         self.generation = nanoserve_pb2_grpc.GenerationStub(self.channel)
         self.engine = nanoserve_pb2_grpc.EngineStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

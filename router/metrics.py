@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from engine_service.common.listen import serve_metrics
 
 
 class RouterMetrics:
@@ -14,8 +16,10 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "nanoserve_router_requests", "Routing decisions, by engine and reason",
-            ["engine", "reason"], registry=r)
+            "nanoserve_router_requests", "Requests routed, by engine and why it was chosen: "
+            "prefix_hit, prefix_miss, load_guard, least_load, round_robin (router.policy), or "
+            "retry / continuation for a later attempt", ["engine", "reason"], registry=r)
+        # prefix hit rate per engine: prefix_matched_tokens / prompt_tokens
         self.prompt_tokens = Counter(
             "nanoserve_router_prompt_tokens", "Prompt tokens routed", ["engine"], registry=r)
         self.prefix_matched_tokens = Counter(
@@ -24,12 +28,12 @@ class RouterMetrics:
             ["engine"], registry=r)
         self.retries = Counter(
             "nanoserve_router_retries",
-            "Requests retried on another engine after failing before their first token",
-            ["engine"], registry=r)
+            "Requests retried on another engine after failing before their first token, by the "
+            "engine that failed", ["engine"], registry=r)
         self.failovers = Counter(
             "nanoserve_router_failovers",
-            "Streams continued on another engine after failing mid-stream", ["engine"],
-            registry=r)
+            "Streams continued on another engine after failing mid-stream, by the engine that "
+            "failed", ["engine"], registry=r)
         self.engine_failures = Counter(
             "nanoserve_router_engine_failures",
             "Transport / server-side errors counted against an engine", ["engine", "code"],
@@ -59,5 +63,4 @@ class RouterMetrics:
 
     def serve(self, host: str, port: int):
         """Start the /metrics HTTP endpoint; returns the server (call .shutdown())."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server
+        return serve_metrics(self.registry, host, port)

@@ -19,6 +19,9 @@ REASON_PREFIX_MISS = "prefix_miss"    # lowest cost, no cached prefix on the win
 REASON_LOAD_GUARD = "load_guard"      # the cost winner was far busier than the least loaded
 REASON_LEAST_LOAD = "least_load"
 REASON_ROUND_ROBIN = "round_robin"
+# Not the policy's: a later attempt of a request, whichever engine the policy picked.
+REASON_RETRY = "retry"                # after an engine failed before any token went out
+REASON_CONTINUATION = "continuation"  # after an engine failed mid-stream
 
 
 @dataclass(frozen=True)

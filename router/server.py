@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import logging
 import random
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine_service.common.api_key import api_key_interceptors
 from engine_service.common.block_hash import hash_prompt_blocks
+from engine_service.common.http_server import Backend, HttpServer, bind_http, build_app, serve_http
+from engine_service.common.openai_protocol import ModelCard
 from engine_service.common.proto_convert import (
     Refused,
     StatusInterceptor,
@@ -73,7 +77,7 @@ from router.config import RouterConfig
 from router.engine_pool import EngineClient, EnginePool, Resolver, resolve_dns
 from router.errors import bounded
 from router.metrics import RouterMetrics
-from router.policy import Candidate, Decision, choose
+from router.policy import REASON_CONTINUATION, REASON_RETRY, Candidate, Decision, choose
 from router.prefix_index import PrefixIndex
 from router.tokenizer_source import TokenizerSource, TokenizerUnavailable
 
@@ -265,8 +269,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         for attempt in range(self.config.max_attempts):
             if len(progress.sent_ids) >= max_tokens:
                 break  # every token went out before the engine failed
+            again = REASON_CONTINUATION if progress.sent_ids else REASON_RETRY if tried else None
             routed = self._route(request_id, prompt_ids + progress.sent_ids, tried,
-                                 max_tokens - len(progress.sent_ids))
+                                 max_tokens - len(progress.sent_ids), again)
             if routed is None:
                 break
             engine, handle = routed
@@ -365,8 +370,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ValueError as e:
             raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
 
-    def _route(self, request_id: str, token_ids: list[int], tried: set[str],
-               max_tokens: int) -> tuple[EngineClient, int] | None:
+    def _route(self, request_id: str, token_ids: list[int], tried: set[str], max_tokens: int,
+               again: str | None) -> tuple[EngineClient, int] | None:
+        """Score the engines not yet tried and begin the request on the winner; `again`
+        (retry / continuation) replaces the policy's reason in the metrics and the log."""
         engines = [e for e in self.pool.routable()
                    if e.key not in tried and len(token_ids) < e.info.max_model_len]
         if not engines:
@@ -385,13 +392,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         chosen = next(c for c in candidates if c.key == decision.key)
         self.index.insert_optimistic(engine.key, hashes[engine.block_size])
         handle = engine.begin_request(len(token_ids) - chosen.cached_tokens + max_tokens)
-        self.metrics.requests.labels(engine.key, decision.reason).inc()
+        reason = again or decision.reason
+        self.metrics.requests.labels(engine.key, reason).inc()
         self.metrics.prompt_tokens.labels(engine.key).inc(len(token_ids))
         self.metrics.prefix_matched_tokens.labels(engine.key).inc(chosen.cached_tokens)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route request=%s engine=%s reason=%s prompt_tokens=%d matched_tokens=%d "
                       "cost=%.0f load=%.0f candidates=[%s]", request_id, engine.key,
-                      decision.reason, len(token_ids), chosen.cached_tokens, decision.cost,
+                      reason, len(token_ids), chosen.cached_tokens, decision.cost,
                       chosen.load, ", ".join(f"{c.key} cached={c.cached_tokens} load={c.load:.0f}"
                                              for c in candidates))
         return engine, handle
@@ -447,6 +455,9 @@ def _time_left(context: grpc.aio.ServicerContext) -> float | None:
     return max(remaining, 0.0)
 
 
+MAX_MESSAGE = 64 << 20  # bytes: a 2M-token context's prompt at MAX_PROMPT_BYTES_PER_TOKEN
+
+
 class Router:
     """The router process: gRPC server (Generation, health, reflection), engine pool,
     prefix index, metrics endpoint."""
@@ -463,24 +474,30 @@ class Router:
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._metrics_server = None
+        self.http: HttpServer | None = None  # the OpenAI HTTP front, once started
+        self.serving = False  # the health state, for gRPC health and HTTP /health alike
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
         self.tokenizers.load_dir()
-        server = grpc.aio.server(interceptors=[StatusInterceptor()])
+        # no SO_REUSEPORT: a second router on a taken port must fail, not share it. Engines'
+        # limits are not known yet, so room for any prompt they may take; the prompt itself
+        # is then checked against the engines' (check_prompt_bytes).
+        server = grpc.aio.server(interceptors=[*api_key_interceptors(self.config.api_key),
+                                               StatusInterceptor()],
+                                 options=[("grpc.so_reuseport", 0),
+                                          ("grpc.max_receive_message_length", MAX_MESSAGE)])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        address = f"{self.config.host}:{self.config.port}"
-        try:
-            self.port = add_port(server, address,
-                                 server_credentials(self.config.tls_cert, self.config.tls_key))
-        except RuntimeError as e:  # grpc's way of saying the port is taken
-            raise OSError(f"cannot listen on {address}: {e}") from None
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+        self.port = add_port(server, f"{self.config.host}:{self.config.port}",
+                             server_credentials(self.config.tls_cert, self.config.tls_key))
+        if self.config.metrics_port:  # bound before serving: a taken port fails start-up
+            self._metrics_server = self.metrics.serve(self.config.host, self.config.metrics_port)
+        http_port = self.config.http_port
+        http_socket = None if http_port is None else bind_http(self.config.host, http_port)
         await self._set_health(False)
         # "liveness" answers SERVING while the process runs: a liveness probe on "" would
         # restart every router while its engines are still loading.
@@ -489,11 +506,31 @@ class Router:
         self._server = server
         await self.pool.start()
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
-        if self.config.metrics_port:
-            self._metrics_server = self.metrics.serve(self.config.host, self.config.metrics_port)
         log.info("router listening on %s:%d (policy %s)", self.config.host, self.port,
                  self.config.policy)
+        if http_socket is not None:
+            await self._serve_openai(http_socket)
         return self.port
+
+    async def _serve_openai(self, sock: socket.socket) -> None:
+        """The OpenAI HTTP front on `sock`, feeding the servicer's Stream handler."""
+        options = self.config.serving_options()
+        backend = Backend(stream=self.servicer.Stream, model=self.model_card,
+                          serving=lambda: self.serving, tokenizer=lambda: self.tokenizers.loaded,
+                          registry=self.metrics.registry, api_key=options.api_key)
+        self.http = await serve_http(build_app(backend), sock, tls_cert=options.tls_cert,
+                                     tls_key=options.tls_key)
+        log.info("router OpenAI API on %s://%s:%d", self.http.scheme, self.config.host,
+                 self.http.port)
+
+    def model_card(self) -> ModelCard | None:
+        """The model the HTTP front serves: --served-model-name or the engines' name, with
+        the largest max_model_len among them; None before any engine reported its model."""
+        infos = [e.info for e in self.pool.engines() if e.info is not None and e.problem is None]
+        if not infos:
+            return None
+        return ModelCard(self.config.served_model_name or infos[0].model_name,
+                         max(i.max_model_len for i in infos), infos[0].vocab_size)
 
     async def stop(self, grace: float | None = None) -> None:
         if self._health_task is not None:
@@ -502,7 +539,8 @@ class Router:
                 await self._health_task
         if self._server is not None:
             await self._set_health(False)
-            await self._server.stop(grace)
+            await asyncio.gather(self._server.stop(grace), *(
+                [self.http.stop(grace or 0)] if self.http is not None else []))
         await self.pool.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
@@ -513,6 +551,7 @@ class Router:
         await self._server.wait_for_termination()
 
     async def _set_health(self, serving: bool) -> None:
+        self.serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", SERVICE_NAME):

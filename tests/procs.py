@@ -30,19 +30,22 @@ def start_engine(model_dir, *extra: str, **kw) -> ServerProc:
 
 
 def start_router(engine_targets: list[str], *extra: str, **kw) -> ServerProc:
-    """`nanoserve router` over `engine_targets` on a free port; returns once it listens
-    (its engines may not be routable yet: they join as their health checks pass)."""
+    """`nanoserve router` over `engine_targets` on a free port (its HTTP front too, unless
+    `extra` says otherwise); returns once it listens (its engines may not be routable yet:
+    they join as their health checks pass)."""
     args = ["router", *(a for t in engine_targets for a in ("--engine", t)), "--port", "0",
-            *extra]
+            "--http-port", "0", *extra]
     return start_server(args, "router listening on", **kw)
 
 
 NODE_DIR = ROOT / "clients" / "node"
 
 
-def run_node_client_test(target: str, spec: dict, expected, tmp_path: Path) -> str:
+def run_node_client_test(target: str, spec: dict, expected, tmp_path: Path,
+                         env: dict | None = None) -> str:
     """Run the Node client's own test suite against `target`, expecting it to stream the
-    token ids and text the Python client got (`expected`); returns node's stdout."""
+    token ids and text the Python client got (`expected`); returns node's stdout. `env`
+    adds variables (NANOSERVE_TLS_CA)."""
     import json
     import shutil
 
@@ -56,7 +59,8 @@ def run_node_client_test(target: str, spec: dict, expected, tmp_path: Path) -> s
     expect = tmp_path / "expect.json"
     expect.write_text(json.dumps({**spec, "token_ids": expected.token_ids,
                                   "text": expected.text}))
-    env = {**os.environ, "NANOSERVE_TARGET": target, "NANOSERVE_EXPECT_JSON": str(expect)}
+    env = {**os.environ, "NANOSERVE_TARGET": target, "NANOSERVE_EXPECT_JSON": str(expect),
+           **(env or {})}
     proc = subprocess.run([node, "--test"], cwd=NODE_DIR, env=env, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -74,11 +78,3 @@ def wait_blocks_free(client, timeout: float = 10):
                 or time.monotonic() > deadline:
             return load
         time.sleep(0.05)
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of process `pid` (Linux /proc), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import socket
 import subprocess
 import sys
@@ -87,6 +88,21 @@ def test_build_request_sets_only_given_fields() -> None:
 def test_build_request_rejects_bad_prompts(prompt: object, error: type) -> None:
     with pytest.raises(error):
         build_request(prompt)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (dict(max_tokens=-1), "max_tokens must be >= 1, got -1"),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(stop=["s"] * 17), "stop must be a list of at most 16 strings, got 17"),
+])
+def test_client_runs_the_engines_checks_before_sending(client: Client, fake: FakeEngine,
+                                                       sampling: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        client.generate("x", **sampling)
+    assert str(info.value) == message  # the allowed range, numbers unquoted
+    with pytest.raises(ValueError, match=re.escape(message)):
+        client.stream("x", **sampling)  # raised before any iteration
+    assert fake.requests == []
 
 
 def test_unknown_keyword_is_a_type_error_naming_it(client: Client, fake: FakeEngine) -> None:
@@ -340,6 +356,28 @@ def test_cli_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     for name, (_, help_text) in nanoserve_cli.SUBCOMMANDS.items():
         assert name in out and help_text in out
+
+
+def test_cli_version_engine_help_and_bare_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        nanoserve_cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"nanoserve {nanoserve_cli.package_version()}\n"
+    assert nanoserve_cli.package_version()[0].isdigit()
+    with pytest.raises(SystemExit):
+        nanoserve_cli.main(["engine", "--help"])
+    out = capsys.readouterr().out
+    # every flag has a help text, and each help text ends with its default
+    flags = re.findall(r"^  (--[\w-]+)", out, re.M)
+    assert len(flags) >= 20 and "--max-num-seqs" in flags
+    for flag in flags:
+        entry = " ".join(out.split(f"  {flag}", 1)[1].split("\n  --", 1)[0].split())
+        assert "(default: " in entry, f"{flag} shows no default: {entry!r}"
+    with pytest.raises(SystemExit) as info:
+        nanoserve_cli.main(["bench"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "{offline,serve,routing,soak}" in err and "bench_kind" not in err
 
 
 def test_cli_missing_owner_module_breaks_only_its_subcommand(

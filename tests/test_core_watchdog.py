@@ -7,11 +7,11 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
 
+from benchmarks.procs import core_pid
 from clients import Client
 from clients.errors import Unavailable
 from nanoserve.v1 import nanoserve_pb2 as pb
@@ -19,17 +19,6 @@ from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from tests.procs import start_engine, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def core_pid(engine_pid: int) -> int:
-    """The engine core: the engine's spawned child (not multiprocessing's resource tracker)."""
-    children = [int(c) for task in Path(f"/proc/{engine_pid}/task").iterdir()
-                for c in (task / "children").read_text().split()]
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
-            return pid
-    raise AssertionError(f"no core process among the engine's children {children}")
 
 
 def wait_until(check: Callable[[], bool], timeout: float) -> bool:

@@ -13,12 +13,13 @@ import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.procs import ServerProc
+from benchmarks.procs import ServerProc, rss_bytes
 from engine_service.common.proto_convert import sampling_params_from_proto
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
-from tests.procs import rss_bytes, start_engine
+from tests.procs import start_engine
 
 pytestmark = pytest.mark.timeout(300)
 HUGE_TEXT = ("hello world, this is a test of the tokenizer. " * 70_000)[:3_000_000]
@@ -172,7 +173,7 @@ def test_prompt_byte_limit_names_field_and_limit():
     check_prompt_bytes(pb.GenerateRequest(text="a" * limit), 512)
     check_prompt_bytes(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)), 512)
     with pytest.raises(ValueError, match=rf"^text must be at most {limit} bytes .* got "
-                                         rf"'{limit + 1} bytes'$"):
+                                         rf"{limit + 1}$"):
         check_prompt_bytes(pb.GenerateRequest(text="a" * (limit + 1)), 512)
     many = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a" * 200)] * 100)
     with pytest.raises(ValueError, match=rf"^messages must be at most {limit} bytes"):
@@ -251,13 +252,24 @@ def test_small_float32_values_are_accepted(stub):
     assert len(resp.token_ids) == 3
 
 
-# ------------------------------------------------------------------ deadline metrics
+# ------------------------------------------------------------------ metrics
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def _outcomes(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {m[0]: float(m[1]) for m in re.findall(
-        r'^nanoserve_engine_requests_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+    """nanoserve_engine_request_errors_total by code, plus vLLM's aborts."""
+    samples = _scrape(port)
+    seen = {dict(labels)["code"]: v for (name, labels), v in samples.items()
+            if name == "nanoserve_engine_request_errors_total"}
+    aborts = [v for (name, labels), v in samples.items()
+              if name == "vllm:request_success_total" and ("finished_reason", "abort") in labels]
+    return {**seen, "abort": aborts[0]}
 
 
 def test_expired_deadline_is_counted_as_deadline_exceeded(engine, stub, metrics_port):
@@ -272,7 +284,61 @@ def test_expired_deadline_is_counted_as_deadline_exceeded(engine, stub, metrics_
     while True:
         after = _outcomes(metrics_port)
         grew = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        if grew == {"deadline_exceeded": 1, "cancelled": 1} or time.monotonic() > deadline:
+        if grew == {"DEADLINE_EXCEEDED": 1, "CANCELLED": 1, "abort": 2} \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert grew == {"deadline_exceeded": 1, "cancelled": 1}
+    assert grew == {"DEADLINE_EXCEEDED": 1, "CANCELLED": 1, "abort": 2}
+
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so dashboards aggregate across both
+VLLM_TTFT_LE = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+
+
+def test_vllm_metrics_count_what_the_requests_did(engine, stub, metrics_port, tiny_model_dir):
+    model = (("model_name", tiny_model_dir.name),)
+
+    def value(name: str, *labels: tuple[str, str]) -> float:
+        return _scrape(metrics_port).get((name, tuple(sorted(model + labels))), 0.0)
+
+    names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+             "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+             "vllm:request_queue_time_seconds_count", "vllm:inter_token_latency_seconds_count")
+    before = {n: value(n) for n in names}
+    length, stop = (value("vllm:request_success_total", ("finished_reason", r))
+                    for r in ("length", "stop"))
+    prompt = [int(x) for x in os.urandom(13)]  # 3 full blocks of 4: cached for the second
+    first = stub.Generate(_request(prompt, temperature=0, max_tokens=5, ignore_eos=True))
+    others = [stub.Generate(_request(prompt, temperature=0, max_tokens=5,
+                                     stop_token_ids=[first.token_ids[1]])),
+              stub.Generate(_request([5] * 7, temperature=0, max_tokens=3, ignore_eos=True))]
+    answers = [first, *others]
+    assert [a.finish_reason for a in answers] == [pb.FINISH_REASON_LENGTH,
+                                                  pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH]
+    grew = {n: value(n) - before[n] for n in names}
+    generated = sum(a.usage.completion_tokens for a in answers)
+    assert grew == {
+        "vllm:prompt_tokens_total": 13 + 13 + 7,
+        "vllm:generation_tokens_total": generated,
+        "vllm:prefix_cache_queries_total": 13 + 13 + 7,
+        "vllm:prefix_cache_hits_total": sum(a.usage.cached_prompt_tokens for a in answers),
+        "vllm:time_to_first_token_seconds_count": 3,
+        "vllm:e2e_request_latency_seconds_count": 3,
+        "vllm:request_queue_time_seconds_count": 3,
+        "vllm:inter_token_latency_seconds_count": generated - 3,  # one token per output
+    }
+    assert others[0].usage.cached_prompt_tokens == 12
+    assert value("vllm:request_success_total", ("finished_reason", "length")) == length + 2
+    assert value("vllm:request_success_total", ("finished_reason", "stop")) == stop + 1
+    assert [le for (name, labels) in _scrape(metrics_port)
+            if name == "vllm:time_to_first_token_seconds_bucket" and model[0] in labels
+            for k, le in labels if k == "le"] == [str(b) for b in VLLM_TTFT_LE] + ["+Inf"]
+    # idle again: the gauges say so (they follow the core's load reports)
+    deadline = time.monotonic() + 10
+    while (value("vllm:num_requests_running"), value("vllm:num_requests_waiting"),
+           value("vllm:kv_cache_usage_perc")) != (0, 0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert value("vllm:num_requests_running") == value("vllm:kv_cache_usage_perc") == 0
+    assert value("nanoserve_engine_core_stalled") == 0

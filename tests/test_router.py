@@ -138,7 +138,7 @@ def start_fakes(behaviors: list[FakeBehavior]) -> list[RecordingFake]:
 async def cluster(n: int = 3, behaviors: list[FakeBehavior] | None = None, **router_kw):
     fakes = start_fakes(behaviors or [FakeBehavior() for _ in range(n)])
     kw = dict(engine=[f"127.0.0.1:{f.port}" for f in fakes], port=0, health_interval=0.1,
-              load_interval=0.05, seed=0)
+              load_interval=0.05, seed=0, http_port=None)
     kw.update(router_kw)
     router = Router(RouterConfig(**kw))
     try:
@@ -181,6 +181,8 @@ async def test_kv_events_steer_each_prefix_to_its_engine():
                         reason="prefix_hit") == 2
         assert c.metric("nanoserve_router_prefix_matched_tokens_total",
                         engine=c.address(1)) == 2 * 32
+        # the hit rate's denominator: matched / prompt tokens = 32 / 34 per engine
+        assert c.metric("nanoserve_router_prompt_tokens_total", engine=c.address(1)) == 2 * 34
 
 
 @aio
@@ -291,6 +293,13 @@ async def test_failure_before_first_token_is_retried_elsewhere(code, counted):
         assert len(c.fakes[0].requests) == 1
         assert sum(len(f.requests) for f in c.fakes[1:]) == 1
         assert c.metric("nanoserve_router_retries_total", engine=c.address(0)) == 1
+        # e0 chosen for its cache, then the retry's engine counted under reason "retry"
+        retried = c.address(1 + [len(f.requests) for f in c.fakes[1:]].index(1))
+        assert c.metric("nanoserve_router_requests_total", engine=c.address(0),
+                        reason="prefix_hit") == 1
+        assert c.metric("nanoserve_router_requests_total", engine=retried, reason="retry") == 1
+        assert sum(c.metric("nanoserve_router_requests_total", engine=c.address(i), reason=r)
+                   for i in range(3) for r in ("prefix_hit", "prefix_miss", "retry")) == 2
         e0 = c.router.pool.get(c.address(0))
         assert e0.failures == (1 if counted else 0)
         assert e0.routable() is not counted
@@ -326,6 +335,10 @@ async def test_failure_mid_stream_continues_elsewhere_without_duplicates(tokens_
         assert cont.sampling.seed == 1234
         assert cont.sampling.HasField("temperature") and cont.sampling.temperature == 0.0
         assert c.metric("nanoserve_router_failovers_total", engine=c.address(0)) == 1
+        second = c.address(c.index_of(engines[-1]))
+        assert c.metric("nanoserve_router_requests_total", engine=second,
+                        reason="continuation") == 1
+        assert c.metric("nanoserve_router_retries_total", engine=c.address(0)) == 0
 
 
 @aio
@@ -392,7 +405,7 @@ async def test_unreachable_engines_unavailable_with_a_clear_message():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
-    router = Router(RouterConfig(engine=[dead], port=0, health_interval=0.1))
+    router = Router(RouterConfig(engine=[dead], port=0, health_interval=0.1, http_port=None))
     try:
         await router.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
@@ -476,7 +489,7 @@ async def test_engine_with_another_hash_scheme_is_refused():
     fakes = start_fakes([FakeBehavior(), FakeBehavior()])
     fakes[1].hash_scheme = "sha256-v9"
     router = Router(RouterConfig(engine=[f"127.0.0.1:{f.port}" for f in fakes], port=0,
-                                 health_interval=0.1))
+                                 health_interval=0.1, http_port=None))
     try:
         await router.start()
         assert await router.pool.wait_ready(1)
@@ -573,7 +586,8 @@ async def test_dns_discovery_engines_join_and_leave():
         return list(answer)
 
     router = Router(RouterConfig(engine_dns="engines.example:50051", dns_interval=0.05,
-                                 port=0, health_interval=0.1), resolver=resolver)
+                                 port=0, health_interval=0.1, http_port=None),
+                    resolver=resolver)
     try:
         await router.start()
         assert await router.pool.wait_ready(1)

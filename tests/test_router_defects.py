@@ -199,7 +199,7 @@ async def test_prompt_longer_than_every_max_model_len_is_invalid_argument_at_the
                                                            max_tokens=1)))
         assert err.code() == INVALID
         assert err.details() == ("prompt must be at most max_model_len - 1 = 127 tokens "
-                                 "(room for one output token), got '128 tokens'")
+                                 "(room for one output token), got 128")
         assert [len(f.requests) for f in c.fakes] == [0, 0]
         # a prompt only the larger engine can hold goes there, whatever the prefix cache says
         prompt = list(range(1, 101))
@@ -240,7 +240,7 @@ async def test_huge_text_prompt_is_invalid_argument_without_tokenizing(tmp_path)
                                                   timeout=30))
             assert err.code() == INVALID
             assert err.details() == (f"{field} must be at most 2048 bytes (32 per token of "
-                                     f"max_model_len 64), got '{size} bytes'")
+                                     f"max_model_len 64), got {size}")
         assert encoded == []
         # under the byte bound it is tokenized, and its token count checked
         err = await rpc_error(c.stub.Generate(build_request("w " * 64, max_tokens=1)))
@@ -249,6 +249,19 @@ async def test_huge_text_prompt_is_invalid_argument_without_tokenizing(tmp_path)
         response = await c.stub.Generate(build_request("w " * 8, max_tokens=1))
         assert list(response.token_ids) == [20001]
         assert sum(len(f.requests) for f in c.fakes) == 1
+
+
+@aio
+async def test_prompt_over_grpc_default_message_size_gets_the_engines_answer(tmp_path):
+    # 4.5 MB of text fits an engine of max_model_len 131072 (32 B a token): the router must
+    # parse it and answer as the engine would, not with grpc's RESOURCE_EXHAUSTED.
+    write_wide_tokenizer(tmp_path / "tok")
+    behaviors = [FakeBehavior(max_model_len=131072, vocab_size=30000)]
+    async with cluster(behaviors=behaviors, tokenizer=str(tmp_path / "tok")) as c:
+        err = await rpc_error(c.stub.Generate(build_request("w " * 2_250_000, max_tokens=1),
+                                              timeout=60))
+        assert err.code() == INVALID
+        assert err.details().startswith("text must be at most 4194304 bytes")
 
 
 # ---- error messages never echo a huge value --------------------------------------------

@@ -84,7 +84,8 @@ def test_router_imports_and_help_without_torch():
                  "--cache-weight", "--load-guard-ratio", "--load-guard-min",
                  "--health-interval", "--metrics-port", "--log-level",
                  "--stream-progress-timeout", "--max-concurrent-requests",
-                 "--max-queued-requests", "--queue-timeout"):
+                 "--max-queued-requests", "--queue-timeout", "--http-port",
+                 "--served-model-name", "--api-key"):
         assert flag in out
 
 
@@ -118,7 +119,7 @@ def test_router_serves_text_without_torch(tmp_path):
             fake, port = start_fake_engine(
                 engine_id="e0", behavior=FakeBehavior(tokenizer_dir={str(tok_dir)!r}))
             router = Router(RouterConfig(engine=[f"127.0.0.1:{{port}}"], port=0,
-                                         health_interval=0.1))
+                                         health_interval=0.1, http_port=None))
             await router.start()
             try:
                 assert await router.pool.wait_ready(1)
@@ -152,7 +153,7 @@ def test_nanoserve_router_command_serves_and_stops_on_sigterm(tmp_path):
     code = BLOCKER + textwrap.dedent(f"""
         from clients.cli import main
         sys.exit(main(["router", "--engine", "127.0.0.1:{engine_port}", "--port", "{port}",
-                       "--health-interval", "0.1", "--log-level", "debug"]))
+                       "--http-port", "0", "--health-interval", "0.1", "--log-level", "debug"]))
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import ssl
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -160,7 +162,8 @@ def test_mtls_engine_requires_a_client_certificate_from_its_ca(mtls_fake: FakeEn
 
 def test_router_verifies_dns_found_engines_by_service_name(pki: Pki) -> None:
     """Engines found by DNS are dialled by IP; their certificate names only the Service. The
-    router presents its own certificate to these mTLS engines, and serves TLS itself."""
+    router presents its own certificate to these mTLS engines, and serves TLS itself (its
+    HTTP front too)."""
     fake, port = start_fake_engine(
         engine_id="svc", credentials=server_credentials(pki.service_cert, pki.service_key,
                                                         pki.ca))
@@ -171,7 +174,7 @@ def test_router_verifies_dns_found_engines_by_service_name(pki: Pki) -> None:
 
     async def scenario() -> None:
         config = RouterConfig(engine_dns=f"{SERVICE}:{port}", port=0, health_interval=0.1,
-                              tls_cert=pki.cert, tls_key=pki.key, tls_ca=pki.ca)
+                              tls_cert=pki.cert, tls_key=pki.key, tls_ca=pki.ca, http_port=0)
         router = Router(config, resolver=resolve)
         try:
             await router.start()
@@ -180,6 +183,12 @@ def test_router_verifies_dns_found_engines_by_service_name(pki: Pki) -> None:
                                    tls_ca=pki.ca) as client:
                 result = await client.generate([10, 11], max_tokens=3)
             assert (result.token_ids, result.engine_id) == ([12, 13, 14], "svc")
+            url = f"127.0.0.1:{router.http.port}/v1/models"
+            verified = ssl.create_default_context(cafile=pki.ca)
+            async with httpx.AsyncClient(verify=verified) as http:
+                assert (await http.get(f"https://{url}")).status_code == 200
+                with pytest.raises(httpx.HTTPError):  # plaintext HTTP is not served
+                    await http.get(f"http://{url}")
         finally:
             await router.stop(0)
 

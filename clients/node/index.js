@@ -25,6 +25,26 @@ const SAMPLING_FIELDS = new Set(SAMPLING_DESCRIPTOR.map((f) => f.name));
 const REPEATED_FIELDS = new Set(
   SAMPLING_DESCRIPTOR.filter((f) => f.label === 'LABEL_REPEATED').map((f) => f.name));
 const CALL_OPTIONS = new Set(['request_id', 'timeout']);
+// What each integer type of the wire can hold: grpc-js would wrap max_tokens: -1 into
+// 4294967295. Ranges that mean something to the model are the server's check.
+const INT_RANGES = {
+  TYPE_UINT32: [0, 2 ** 32 - 1], TYPE_INT32: [-(2 ** 31), 2 ** 31 - 1],
+  TYPE_UINT64: [0, Number.MAX_SAFE_INTEGER],
+  TYPE_INT64: [-Number.MAX_SAFE_INTEGER, Number.MAX_SAFE_INTEGER],
+};
+const FIELD_RANGES = new Map(SAMPLING_DESCRIPTOR.filter((f) => INT_RANGES[f.type])
+  .map((f) => [f.name, INT_RANGES[f.type]]));
+
+// RangeError naming the field and its range unless value (each value of an array) is an
+// integer within it.
+function checkInteger(name, value, [low, high]) {
+  if (Array.isArray(value)) {
+    value.forEach((v, i) => checkInteger(`${name}[${i}]`, v, [low, high]));
+  } else if (!Number.isInteger(value) || value < low || value > high) {
+    throw new RangeError(`${name} must be an integer in [${low}, ${high}], ` +
+                         `got ${JSON.stringify(value)}`);
+  }
+}
 
 class NanoserveError extends Error {
   // code: the status name ("INVALID_ARGUMENT"); grpcCode: its number; details: server text.
@@ -67,7 +87,8 @@ function setPrompt(request, prompt) {
                         '{role, content} messages');
   }
   if (prompt.length === 0) throw new RangeError('prompt must not be an empty array');
-  if (prompt.every((x) => Number.isInteger(x))) {
+  if (prompt.every((x) => typeof x === 'number')) {
+    checkInteger('token_ids', prompt, INT_RANGES.TYPE_UINT32);
     request.token_ids = { ids: prompt };
   } else if (prompt.every((m) => m && typeof m.role === 'string' &&
                                  typeof m.content === 'string')) {
@@ -92,7 +113,9 @@ function buildRequest(prompt, options = {}) {
   for (const [name, value] of Object.entries(options)) {
     if (!SAMPLING_FIELDS.has(name) || value === null || value === undefined) continue;
     // `stop: "x"` means one stop string, as in the Python client
-    request.sampling[name] = REPEATED_FIELDS.has(name) && !Array.isArray(value) ? [value] : value;
+    const v = REPEATED_FIELDS.has(name) && !Array.isArray(value) ? [value] : value;
+    if (FIELD_RANGES.has(name)) checkInteger(name, v, FIELD_RANGES.get(name));
+    request.sampling[name] = v;
   }
   return request;
 }

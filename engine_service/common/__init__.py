@@ -1,3 +1,4 @@
 """What the router shares with the engines: block hashing, sampling-parameter validation,
-proto conversion, tokenizer, detokenizer and TLS credentials. Torch-free; the router (and the
-clients, for TLS) import nothing else of engine_service."""
+proto conversion, tokenizer, detokenizer, TLS credentials, the OpenAI HTTP front and the API
+key. Torch-free; the router (and the clients, for TLS and the key) import nothing else of
+engine_service."""

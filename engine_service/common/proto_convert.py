@@ -62,7 +62,7 @@ def check_prompt_bytes(request: pb.GenerateRequest, max_model_len: int) -> None:
         return
     limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
     check_field(size <= limit, kind, f"at most {limit} bytes ({MAX_PROMPT_BYTES_PER_TOKEN} "
-                f"per token of max_model_len {max_model_len})", f"{size} bytes")
+                f"per token of max_model_len {max_model_len})", size)
 
 
 def prompt_ids_from_proto(request: pb.GenerateRequest, tokenizer) -> list[int]:

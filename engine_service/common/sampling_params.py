@@ -29,11 +29,11 @@ def check_field(ok: bool, field_name: str, allowed: str, value: object) -> None:
 
 def check_prompt_len(num_tokens: int, max_model_len: int) -> None:
     """ValueError unless a prompt of num_tokens leaves room for one output token."""
-    check_field(num_tokens >= 1, "prompt", "non-empty", "an empty prompt")
+    check_field(num_tokens >= 1, "prompt", "non-empty (at least 1 token)", num_tokens)
     limit = max_model_len - 1
     check_field(num_tokens <= limit, "prompt",
                 f"at most max_model_len - 1 = {limit} tokens (room for one output token)",
-                f"{num_tokens} tokens")
+                num_tokens)
 
 
 def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int
@@ -91,22 +91,17 @@ class SamplingParams:
         check_field(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]",
                self.frequency_penalty)
         check_field(len(self.stop) <= MAX_STOP_STRINGS, "stop",
-               f"a list of at most {MAX_STOP_STRINGS} strings", f"{len(self.stop)} strings")
+               f"a list of at most {MAX_STOP_STRINGS} strings", len(self.stop))
         for s in self.stop:
             check_field(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_STRING_LEN, "stop",
                    f"strings of 1..{MAX_STOP_STRING_LEN} characters", s)
         check_field(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-                    f"a list of at most {MAX_STOP_TOKEN_IDS} ids",
-                    f"{len(self.stop_token_ids)} ids")
+                    f"a list of at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids))
         for t in self.stop_token_ids:
             check_field(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative ints", t)
         check_field(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"in [0, {MAX_LOGPROBS}] or unset", self.logprobs)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
     @property
     def uses_penalties(self) -> bool:

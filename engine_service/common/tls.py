@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from engine_service.common.listen import cannot_listen
+
 ChannelOptions = Sequence[tuple[str, Any]]
 
 
@@ -79,16 +81,26 @@ def channel_credentials(ca: str | None, cert: str | None = None,
 
 def add_port(server: grpc.Server | grpc.aio.Server, address: str,
              credentials: grpc.ServerCredentials | None) -> int:
-    """Bind address, over TLS when there are credentials; the bound port (0: failed)."""
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    """Bind address, over TLS when there are credentials; returns the bound port. OSError
+    naming the address when it cannot (build the server with grpc.so_reuseport 0, or a
+    second server shares a taken port without a word)."""
+    try:
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
+    except RuntimeError:  # grpc's way of saying the bind failed
+        port = 0
+    if port == 0:
+        raise cannot_listen(address, "the port is taken or the address is not local")
+    return port
 
 
 def open_channel(target: str, credentials: grpc.ChannelCredentials | None,
-                 options: ChannelOptions = (), *, aio: bool = False) -> Any:
-    """A grpc (aio=False) or grpc.aio channel to target, secure when there are credentials."""
+                 options: ChannelOptions = (), *, aio: bool = False,
+                 interceptors: Sequence[Any] = ()) -> Any:
+    """A grpc (aio=False) or grpc.aio channel to target, secure when there are credentials;
+    `interceptors` (grpc.aio client interceptors) for aio channels only."""
     module = grpc.aio if aio else grpc
+    extra = {"interceptors": list(interceptors)} if interceptors else {}
     if credentials is None:
-        return module.insecure_channel(target, options=list(options))
-    return module.secure_channel(target, credentials, options=list(options))
+        return module.insecure_channel(target, options=list(options), **extra)
+    return module.secure_channel(target, credentials, options=list(options), **extra)

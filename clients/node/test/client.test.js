@@ -9,6 +9,8 @@
 const { test } = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
+const path = require('node:path');
+const { spawnSync } = require('node:child_process');
 const {
   Client, buildRequest, InvalidArgument, DeadlineExceeded, NanoserveError,
 } = require('..');
@@ -36,6 +38,30 @@ test('buildRequest maps prompts and options onto the proto', () => {
   assert.deepEqual(req.sampling, { max_tokens: 4, stop: ['END'] });
   assert.throws(() => buildRequest('x', { max_token: 4 }), /unknown option\(s\): max_token/);
   assert.throws(() => buildRequest([1, 'a']), TypeError);
+  // A value the proto cannot hold is refused here; grpc-js would wrap -1 into 4294967295.
+  assert.throws(() => buildRequest('x', { max_tokens: -1 }),
+                { name: 'RangeError',
+                  message: 'max_tokens must be an integer in [0, 4294967295], got -1' });
+  assert.throws(() => buildRequest('x', { stop_token_ids: [1, 2.5] }), /stop_token_ids\[1\]/);
+  assert.throws(() => buildRequest([3, -1]), /token_ids\[1\] must be an integer/);
+});
+
+test('the README snippet runs as written', (t) => {
+  requireTarget().close();
+  if (process.env.NANOSERVE_TLS_CA) {
+    t.skip('the snippet speaks plaintext; the plaintext run of this suite covers it');
+    return;
+  }
+  const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
+  const snippet = readme.match(/```js\n([\s\S]*?)```/)[1];
+  // From stdin with the repository root as working directory: what `node example.js` does
+  // with the file saved there, as the README says.
+  const run = spawnSync(process.execPath, ['-'], {
+    input: snippet, cwd: path.resolve(__dirname, '..', '..', '..'), encoding: 'utf8',
+    timeout: 60000,
+  });
+  assert.equal(run.status, 0, `${run.stdout}\n${run.stderr}`);
+  assert.match(run.stdout, /refused: max_tokens must be/);
 });
 
 test('stream reproduces the expected greedy tokens and equals generate', async () => {

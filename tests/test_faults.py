@@ -482,7 +482,7 @@ def test_rss_returns_after_a_burst_of_rejected_requests(cluster: Cluster) -> Non
         with grpc.insecure_channel(proc.target) as channel:
             generate = channel.unary_unary("/nanoserve.v1.Generation/Generate")
 
-            def burst() -> None:
+            def burst(generate=generate) -> None:
                 for _ in range(20):
                     with pytest.raises(grpc.RpcError):
                         generate(raw, timeout=30)

@@ -271,10 +271,11 @@ def test_router_service_reaches_the_router_port(overlay: str) -> None:
     dep, c, f = router(docs)
     svc = service_for(docs, dep)
     assert svc["spec"].get("clusterIP") != "None"
-    target = named_port(svc["spec"]["ports"], "grpc")["targetPort"]
-    resolved = named_port(c["ports"], target)["containerPort"] if isinstance(target, str) \
-        else target
-    assert resolved == int(f["--port"])
+    for name, flag in (("grpc", "--port"), ("http", "--http-port")):  # gRPC and OpenAI API
+        target = named_port(svc["spec"]["ports"], name)["targetPort"]
+        resolved = named_port(c["ports"], target)["containerPort"] \
+            if isinstance(target, str) else target
+        assert resolved == int(f[flag])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -10,6 +10,10 @@ MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 1024  # each is looked up for every generated token
 MAX_LOGPROBS = 20
 MAX_QUOTE_CHARS = 80
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias, and ids of allowed_token_ids
+MAX_CONSTRAINT_CHARS = 1 << 16  # a schema, regex or grammar; each choice
+MAX_CHOICES = 256
+CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 def quote(value: object) -> str:
@@ -44,6 +48,14 @@ def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_s
     check_field(not bad, "prompt_token_ids", f"ids in [0, {vocab_size})", bad[:5])
 
 
+def validate_token_controls(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError unless logit_bias and allowed_token_ids name ids of the vocabulary."""
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        check_field(not bad, name, f"token ids in [0, {vocab_size})", bad[:5])
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; defaults follow vLLM's SamplingParams.
@@ -67,6 +79,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Structured output: at most one of these five (see CONSTRAINTS).
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +122,53 @@ class SamplingParams:
         check_field(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"in [0, {MAX_LOGPROBS}] or unset", self.logprobs)
+        self._check_token_controls()
+        self._check_constraint()
+
+    def _check_token_controls(self) -> None:
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            check_field(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                        f"at most {MAX_LOGIT_BIAS} entries", len(self.logit_bias))
+            for t, bias in self.logit_bias.items():
+                check_field(isinstance(t, int) and t >= 0, "logit_bias",
+                            "keyed by non-negative token ids", t)
+                check_field(isinstance(bias, (int, float)) and -100 <= bias <= 100,
+                            f"logit_bias[{t}]", "in [-100, 100]", bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            n = len(self.allowed_token_ids)
+            check_field(1 <= n <= MAX_LOGIT_BIAS, "allowed_token_ids",
+                        f"a list of 1..{MAX_LOGIT_BIAS} ids", n)
+            for t in self.allowed_token_ids:
+                check_field(isinstance(t, int) and t >= 0, "allowed_token_ids",
+                            "non-negative ints", t)
+
+    def _check_constraint(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        check_field(len(given) <= 1, "constraint",
+                    f"at most one of {', '.join(CONSTRAINTS)}", given)
+        for name in ("json_schema", "regex", "grammar"):
+            text = getattr(self, name)
+            check_field(text is None or (isinstance(text, str)
+                                         and 1 <= len(text) <= MAX_CONSTRAINT_CHARS),
+                        name, f"a string of 1..{MAX_CONSTRAINT_CHARS} characters", text)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            check_field(1 <= len(self.choice) <= MAX_CHOICES, "choice",
+                        f"a list of 1..{MAX_CHOICES} strings", len(self.choice))
+            for c in self.choice:
+                check_field(isinstance(c, str) and 1 <= len(c) <= MAX_CONSTRAINT_CHARS,
+                            "choice", f"strings of 1..{MAX_CONSTRAINT_CHARS} characters", c)
+
+    @property
+    def constraint(self) -> tuple[str, str | list[str] | bool] | None:
+        """(kind, value) of the structured-output constraint, or None."""
+        for name in CONSTRAINTS:
+            value = getattr(self, name)
+            if value not in (None, False):
+                return name, value
+        return None
 
     @property
     def uses_penalties(self) -> bool:

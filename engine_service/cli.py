@@ -11,7 +11,14 @@ import sys
 
 from engine_service.common.serving_flags import ServingOptions, add_serving_arguments
 from engine_service.common.tls import add_tls_arguments, check_tls_files, server_credentials
-from engine_service.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
+from engine_service.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 
 
 def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +55,9 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: triton on GPU, torch on CPU")
     add("--load-format", choices=LOAD_FORMATS, default=d.load_format,
         help="dummy: random weights from config.json alone")
+    add("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+        help="fcfs: arrival order; priority: lower request priority first, then arrival "
+             "(a more urgent request may preempt less urgent running ones)")
     add("--max-waiting-requests", type=int, default=d.max_waiting_requests, metavar="N",
         help="requests queued beyond --max-num-seqs before RESOURCE_EXHAUSTED")
     add("--core-watchdog-timeout", type=float, default=d.core_watchdog_timeout, metavar="S",
@@ -69,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, load_format=args.load_format,
+        scheduling_policy=args.scheduling_policy,
         max_waiting_requests=args.max_waiting_requests,
         core_watchdog_timeout=args.core_watchdog_timeout, seed=args.seed)
 

@@ -12,6 +12,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def cpu_threads(ranks: int = 1) -> int:
@@ -42,6 +43,8 @@ class EngineConfig:
     async_scheduling: bool = True
     attention_backend: str = "auto"
     load_format: str = "auto"
+    # fcfs: arrival order; priority: lower GenerateRequest.priority first, then arrival.
+    scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 1024
     # Seconds the core may send nothing while requests are in flight before the engine
     # reports NOT_SERVING (a hung or stopped core process).
@@ -66,6 +69,8 @@ class EngineConfig:
                     f"one of {ATTENTION_BACKENDS}", self.attention_backend)
         check_field(self.load_format in LOAD_FORMATS, "load_format", f"one of {LOAD_FORMATS}",
                     self.load_format)
+        check_field(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+                    f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
         check_field(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1",
                     self.tensor_parallel_size)
         check_field(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)

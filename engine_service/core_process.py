@@ -38,6 +38,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    priority: int = 0  # lower runs earlier under --scheduling-policy priority
 
 
 @dataclass
@@ -168,7 +169,7 @@ def _loop(engine, requests: Connection, outputs: Connection) -> None:
             elif isinstance(msg, AddRequest):
                 try:
                     seq = engine.add_request(msg.request_id, msg.prompt_token_ids,
-                                             msg.sampling_params)
+                                             msg.sampling_params, msg.priority)
                     queued[msg.request_id] = (seq, time.monotonic())
                 except ValueError as e:
                     outputs.send(AddRejected(msg.request_id, str(e)))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from engine_service.common.detokenizer import IncrementalDetokenizer
-from engine_service.common.sampling_params import SamplingParams
+from engine_service.common.sampling_params import SamplingParams, check_field
 from engine_service.common.tokenizer import Tokenizer
 from engine_service.config import EngineConfig
 from engine_service.engine import LLMEngine
@@ -42,7 +42,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | SequenceT[Prompt],
                  sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[CompletionOutput]:
+                 use_tqdm: bool = True,
+                 priority: SequenceT[int] | None = None) -> list[CompletionOutput]:
+        """One output per prompt. `priority`: one int per prompt, lower runs earlier (under
+        scheduling_policy="priority"); None: all 0."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -52,6 +55,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
                              f"({len(prompts)}), got {len(sampling_params)}")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        check_field(len(priority) == len(prompts) and all(isinstance(p, int) for p in priority),
+                    "priority", f"one int per prompt ({len(prompts)})", priority)
         if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be token-id lists: this model directory has no "
                              "tokenizer")
@@ -63,9 +69,9 @@ class LLM:
         order: list[str] = []
         try:
             # A bad prompt raises before any step runs; the requests added before it are aborted.
-            for ids, sp in zip(token_lists, sampling_params, strict=True):
+            for ids, sp, prio in zip(token_lists, sampling_params, priority, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, sp)
+                self.engine.add_request(rid, ids, sp, prio)
                 order.append(rid)
                 outputs[rid] = CompletionOutput(rid, ids)
                 if self.tokenizer is not None:

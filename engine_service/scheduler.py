@@ -6,10 +6,13 @@ import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from engine_service.block_manager import BlockManager
 from engine_service.config import EngineConfig
 from engine_service.sequence import Sequence, SequenceStatus
+
+_KEY = attrgetter("sched_key")
 
 
 @dataclass(slots=True)
@@ -48,10 +51,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS: older sequences (lower `arrival`) first; under KV pressure the newest running one
-    is preempted and later recomputed. `schedule()` commits the step as launched (KV computed,
-    a pending token per sampling row), so the next step can be scheduled before its tokens
-    reach the host; `postprocess()` then appends them."""
+    """Sequences run in `sched_key` order, (priority, arrival) under the priority policy and
+    (0, arrival) under fcfs: lower first. Under KV pressure the running one with the worst key
+    is preempted and later recomputed; a waiting head with a better key than a running one
+    preempts it when it cannot be admitted otherwise. `schedule()` commits the step as
+    launched (KV computed, a pending token per sampling row), so the next step can be
+    scheduled before its tokens reach the host; `postprocess()` then appends them."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  eos_token_ids: list[int]) -> None:
@@ -66,10 +71,11 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len: int = config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # kept sorted by arrival
+        self.waiting: deque[Sequence] = deque()  # both kept sorted by sched_key
+        self.running: list[Sequence] = []
         self._unfinished: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self._by_priority = config.scheduling_policy == "priority"
 
     @property
     def num_running(self) -> int:
@@ -94,8 +100,9 @@ class Scheduler:
                              f"max_model_len={self.max_model_len}")
         seq.status = SequenceStatus.WAITING
         seq.arrival = next(self._arrivals)
+        seq.sched_key = (seq.priority if self._by_priority else 0, seq.arrival)
         self._unfinished[seq.seq_id] = seq
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_KEY)
 
     def abort(self, seq_id: str) -> Sequence | None:
         seq = self._unfinished.pop(seq_id, None)
@@ -133,7 +140,7 @@ class Scheduler:
         rows: dict[str, ScheduledSeq] = {}  # insertion order = batch order
         preempted: list[Sequence] = []
 
-        # Running sequences: decode rows first, then prefill chunks, each oldest first. A
+        # Running sequences: decode rows first, then prefill chunks, each by key. A
         # chunk shrinks to the free blocks; only a sequence that cannot take one token
         # preempts. Hot loop: attributes, not Sequence's properties.
         decode, prefill = self._split_running()
@@ -160,28 +167,12 @@ class Scheduler:
                     rows[seq.seq_id] = self._row(seq, num_new)
                     budget -= num_new
                     break
-                victim = self._preempt_newest(preempted)
+                victim = self._preempt_worst(preempted)
                 if victim.seq_id in rows:
                     budget += rows.pop(victim.seq_id).num_new_tokens
                 if victim is seq:
                     break
-
-        # Waiting sequences, strictly FIFO; none after a preemption (memory is short).
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            if seq.num_pending_tokens:
-                break  # preempted with its last token in flight: admit once it has landed
-            cached = bm.get_num_cached_tokens(seq)
-            num_new = min(seq.num_tokens - cached, budget)
-            if not bm.can_allocate(seq, num_new):
-                break  # no skipping ahead: the head would starve behind smaller requests
-            self.waiting.popleft()
-            bm.allocate(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            rows[seq.seq_id] = self._row(seq, num_new)
-            budget -= num_new
+        budget = self._admit_waiting(rows, preempted, budget)
 
         scheduled = list(rows.values())
         num_prefill = 0
@@ -195,9 +186,42 @@ class Scheduler:
         num_batched = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled, num_batched, preempted, num_prefill)
 
+    def _admit_waiting(self, rows: dict[str, ScheduledSeq], preempted: list[Sequence],
+                       budget: int) -> int:
+        """Admit waiting sequences strictly in key order (a head that is skipped would starve
+        behind smaller requests); returns the budget left. A head more urgent than the worst
+        running sequence preempts running ones, worst first, while it does not fit (never
+        under fcfs, where every waiting sequence arrived after every running one). After a
+        preemption memory is short: only such a head goes on, or the one that made room."""
+        bm, running, max_seqs = self.block_manager, self.running, self.config.max_num_seqs
+        made_room_for = None
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted with its last token in flight: admit once it has landed
+            urgent = bool(running) and seq.sched_key < running[-1].sched_key
+            if preempted and not urgent and seq is not made_room_for:
+                break
+            num_new = min(seq.num_tokens - bm.get_num_cached_tokens(seq), budget)
+            if len(running) < max_seqs and bm.can_allocate(seq, num_new):
+                self.waiting.popleft()
+                bm.allocate(seq, num_new)
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(running, seq, key=_KEY)
+                rows[seq.seq_id] = self._row(seq, num_new)
+                budget -= num_new
+            elif urgent:
+                made_room_for = seq
+                victim = self._preempt_worst(preempted)
+                if victim.seq_id in rows:
+                    budget += rows.pop(victim.seq_id).num_new_tokens
+            else:
+                break
+        return budget
+
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """(decode, prefill): running sequences with one token left to compute, and with
-        more, oldest first. A decode whose pending token surely ends it by length is left
+        more, in key order. A decode whose pending token surely ends it by length is left
         out: that token would be waste, and past max_model_len it has no KV slot."""
         decode: list[Sequence] = []
         prefill: list[Sequence] = []
@@ -225,13 +249,13 @@ class Scheduler:
         return ScheduledSeq(seq, num_new, end == seq.num_tokens + seq.num_pending_tokens,
                             seq.num_computed_tokens)
 
-    def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
+    def _preempt_worst(self, preempted: list[Sequence]) -> Sequence:
         victim = self.running.pop()
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)  # newest preempted first, so older ones end in front
+        bisect.insort(self.waiting, victim, key=_KEY)
         preempted.append(victim)
         return victim
 

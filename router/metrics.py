@@ -48,7 +48,8 @@ class RouterMetrics:
         self.admitted = Gauge(
             "nanoserve_router_admission_requests",
             "Requests holding a --max-concurrent-requests slot (state in_flight) or waiting "
-            "for one (state queued)", ["state"], registry=r)
+            "for one (state queued; served lower priority first, then by arrival; "
+            "priorities are not labels)", ["state"], registry=r)
         self.engine_healthy = Gauge(
             "nanoserve_router_engine_healthy", "1 when the engine can take requests",
             ["engine"], registry=r)

@@ -4,20 +4,33 @@ core process. Requests are token ids: (de)tokenization belongs to the caller."""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Sequence as SequenceT
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_service.block_manager import BlockManager, KvEvent
 from engine_service.common.block_hash import HASH_SCHEME
-from engine_service.common.sampling_params import SamplingParams, validate_prompt
+from engine_service.common.sampling_params import (
+    SamplingParams,
+    validate_prompt,
+    validate_token_controls,
+)
 from engine_service.config import EngineConfig
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence
 
 if TYPE_CHECKING:
+    import torch
+
     from engine_service.model_runner import LaunchedStep, StepResult
+    from engine_service.scheduler import ScheduledSeq
+    from engine_service.structured_output import TokenConstraint
+
+logger = logging.getLogger(__name__)
+COMPILE_POLL_SECONDS = 0.005
 
 
 @dataclass(slots=True)
@@ -56,7 +69,9 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        # Torch and xgrammar load here, not on import: the frontend imports this module.
         from engine_service.model_runner import ModelRunner
+        from engine_service.structured_output import StructuredOutput
 
         self.config = config
         self.model_runner = ModelRunner(config)
@@ -69,73 +84,118 @@ class LLMEngine:
         self.total_stats = StepStats(num_steps=0)  # since start; benchmarks reset it
         self._async = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids,
+                                           pin_memory=self.model_runner.device.type == "cuda")
+        # Requests whose constraint is compiling; they join the scheduler once it is built.
+        self._compiling: dict[str, tuple[Sequence, Future[TokenConstraint]]] = {}
+        # What one step() call has read back so far (a mask may land the step in flight).
+        self._outputs: list[RequestOutput] = []
+        self._read_back: list[LaunchedStep] = []
         # Start-up leaves ~10^5 long-lived objects: frozen, a full collection no longer
         # stalls a step for ~0.1 s.
         gc.collect()
         gc.freeze()
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceT[int],
-                    sampling_params: SamplingParams) -> Sequence:
+                    sampling_params: SamplingParams, priority: int = 0) -> Sequence:
         validate_prompt(prompt_token_ids, self.config.max_model_len, self.vocab_size)
-        if self.scheduler.get(request_id) is not None:
+        validate_token_controls(sampling_params, self.vocab_size)
+        self.structured.check(sampling_params)
+        if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request_id must be unique among requests in flight, "
                              f"got duplicate {request_id!r}")
-        seq = Sequence(request_id, list(prompt_token_ids), sampling_params)
-        self.scheduler.add(seq)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling_params, priority=priority)
+        if sampling_params.constraint is not None or sampling_params.allowed_token_ids:
+            self._compiling[request_id] = (seq, self.structured.submit(sampling_params))
+        else:
+            self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling[1].cancel()
+            return True
         return self.scheduler.abort(request_id) is not None
 
     def shutdown(self) -> None:
         self._in_flight = None
+        self.structured.shutdown()
         self.model_runner.shutdown()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose constraint is built join the scheduler (in arrival order). With
+        nothing else to run, wait a moment for one rather than spin against the compiler."""
+        if not self.scheduler.has_unfinished():
+            wait([f for _, f in self._compiling.values()], COMPILE_POLL_SECONDS,
+                 FIRST_COMPLETED)
+        for request_id, (seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                seq.constraint = future.result()
+            except Exception as e:  # check() passed it, so this is the compiler's failure
+                logger.error("request %r: its constraint failed to compile: %s", request_id, e)
+                self._outputs.append(RequestOutput(request_id, [], finished=True,
+                                                   finish_reason="abort"))
+                continue
+            self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that finished. With
         async scheduling a step finishes during the next call, so the host's work overlaps
         the forward pass (unless a penalty needs a pending token on the host)."""
         t0 = time.perf_counter()
-        finished: list[LaunchedStep] = []  # steps read back in this call
-        outputs: list[RequestOutput] = []
+        self._outputs, self._read_back = [], []
         if self._in_flight is not None and not self._can_overlap():
-            outputs += self._finish(self._in_flight)
-            finished.append(self._in_flight[1])
-            self._in_flight = None
+            self._land_in_flight()
+        if self._compiling:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         launched = None
         if not sched.is_empty:
             if self._async:
-                launched = (sched, self.model_runner.launch(sched.scheduled,
-                                                            self.eos_token_ids))
+                launched = (sched, self.model_runner.launch(
+                    sched.scheduled, self.eos_token_ids, self._token_masks))
             else:  # --no-async-scheduling
-                done = self.model_runner.execute(sched.scheduled, self.eos_token_ids)
-                outputs += self._postprocess(sched, done.result())
-                finished.append(done)
+                done = self.model_runner.execute(sched.scheduled, self.eos_token_ids,
+                                                 self._token_masks)
+                self._outputs += self._postprocess(sched, done.result())
+                self._read_back.append(done)
         if self._in_flight is not None:
-            outputs += self._finish(self._in_flight)
-            finished.append(self._in_flight[1])
+            self._land_in_flight()
         self._in_flight = launched
         if not sched.is_empty:
             prefill = sched.num_prefill_tokens
             self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
                                         time.perf_counter() - t0,
-                                        sum(f.wait_seconds for f in finished),
-                                        sum(f.device_seconds for f in finished))
+                                        sum(f.wait_seconds for f in self._read_back),
+                                        sum(f.device_seconds for f in self._read_back))
             self.total_stats.add(self.last_stats)
-        return outputs
+        return self._outputs
+
+    def _land_in_flight(self) -> None:
+        assert self._in_flight is not None
+        sched, launched = self._in_flight
+        self._in_flight = None
+        self._outputs += self._postprocess(sched, launched.result())
+        self._read_back.append(launched)
+
+    def _token_masks(self, rows: list[ScheduledSeq]) -> torch.Tensor:
+        """A step's bitmask, asked for once its forward pass is queued: the step in flight
+        lands first, since its tokens advance the matchers."""
+        if self._in_flight is not None:
+            self._land_in_flight()
+        return self.structured.fill_bitmask(rows)
 
     def _can_overlap(self) -> bool:
         """A penalty reads a row's whole output history, pending token included."""
         return not any(s.num_pending_tokens and s.sampling_params.uses_penalties
                        for s in self.scheduler.running)
-
-    def _finish(self, in_flight: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
-        sched, launched = in_flight
-        return self._postprocess(sched, launched.result())
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids)}
@@ -146,12 +206,29 @@ class LLMEngine:
             done = seq.seq_id in finished
             if not done and (token is None or seq.is_finished):
                 continue  # a mid-prompt chunk, or a row of an aborted / stopped sequence
+            if seq.constraint is not None and token is not None:
+                done = self._advance_constraint(seq, token) or done
             # Positional: this runs for every row of every step.
             outputs.append(RequestOutput(
                 seq.seq_id, [] if token is None else [token], [] if token is None else [lp],
                 done, seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
                 seq.num_cached_tokens, seq.num_output_tokens))
         return outputs
+
+    def _advance_constraint(self, seq: Sequence, token_id: int) -> bool:
+        """Feed the token to the request's matcher; True if that ends the request now: its
+        grammar is complete (even with ignore_eos), or, never expected, it refused the token."""
+        constraint = seq.constraint
+        assert constraint is not None
+        accepted = constraint.accept(token_id)
+        if seq.is_finished or (accepted and not constraint.is_terminated):
+            return False
+        if not accepted:
+            logger.error("request %r: sampled token %d outside its constraint", seq.seq_id,
+                         token_id)
+        self.scheduler.abort(seq.seq_id)  # frees its blocks now
+        seq.finish_reason = "stop" if accepted else "abort"
+        return True
 
     def take_kv_events(self) -> list[KvEvent]:
         return self.block_manager.take_events()

@@ -28,6 +28,8 @@ from models.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when --num-kv-blocks is not given
+# Rows of a step -> their token bitmask, int32 [rows, ceil(vocab / 32)] on the host.
+TokenMasks = Callable[[list[ScheduledSeq]], torch.Tensor]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -384,6 +386,8 @@ class ModelRunner:
         seeds: list[int] = []
         steps: list[int] = []
         suppress: list[tuple[int, int]] = []
+        bias: list[tuple[int, int, float]] = []
+        any_mask = False
         for row, item in enumerate(rows):  # one pass: this runs for every row of every step
             seq = item.seq
             sp = seq.sampling_params
@@ -391,16 +395,22 @@ class ModelRunner:
             params.append(sp)
             seeds.append(seq.seed)
             steps.append(step)
-            if step < sp.min_tokens:
+            constraint = seq.constraint
+            if constraint is not None:
+                any_mask = True
+            # A grammar decides when its stop token may come; min_tokens yields to it.
+            if step < sp.min_tokens and (constraint is None or constraint.matcher is None):
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
                 suppress.extend((row, t) for t in banned if t < self.vocab_size)
+            if sp.logit_bias:
+                bias.extend((row, t, b) for t, b in sp.logit_bias.items())
         prompts = outputs = None
         if any(p.uses_penalties for p in params):  # only penalty rows read their history
             pairs = list(zip(params, rows, strict=True))
             prompts = [item.seq.prompt_token_ids if p.uses_penalties else [] for p, item in pairs]
             outputs = [item.seq.output_token_ids if p.uses_penalties else [] for p, item in pairs]
         return SamplingTensors.build(params, seeds, steps, prompts, outputs, suppress,
-                                     self.vocab_size, self.device)
+                                     self.vocab_size, self.device, bias, any_mask)
 
     def run_model(self, batch: list[ScheduledSeq], start: torch.cuda.Event | None = None,
                   gather: bool = True) -> torch.Tensor | None:
@@ -428,27 +438,32 @@ class ModelRunner:
         """The first vocab index of this rank's logits columns."""
         return self.model.lm_head.vocab_start
 
-    def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
+    def execute(self, batch: list[ScheduledSeq], eos_token_ids: list[int],
+                token_masks: TokenMasks | None = None) -> LaunchedStep:
         """Run one step and wait for its tokens (returned with `.result()`)."""
-        step = self.launch(batch, eos_token_ids)
+        step = self.launch(batch, eos_token_ids, token_masks)
         step.result()
         return step
 
     @torch.inference_mode()
-    def launch(self, batch: list[ScheduledSeq], eos_token_ids: list[int]) -> LaunchedStep:
+    def launch(self, batch: list[ScheduledSeq], eos_token_ids: list[int],
+               token_masks: TokenMasks | None = None) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device; returns at once (CUDA).
-        A tensor-parallel step is sent to the workers first; a dead rank -> clear error."""
+        A tensor-parallel step is sent to the workers first; a dead rank -> clear error.
+        `token_masks(rows)` gives the bitmask of rows with a constraint: called once the
+        forward pass is queued, so the host fills it while the device runs."""
         rows = [item for item in batch if item.sample]
         sampling = self.prepare_sampling(rows, eos_token_ids) if rows else None
         if self.tp is None:
-            return self._launch(batch, rows, sampling, sharded=False)
+            return self._launch(batch, rows, sampling, False, token_masks)
         # Rank 0 alone knows every setting, so it decides, and tells the workers.
         sharded = sampling is not None and sampling.temperature_only
         with self.tp.step(batch, sharded):
-            return self._launch(batch, rows, sampling, sharded)
+            return self._launch(batch, rows, sampling, sharded, token_masks)
 
     def _launch(self, batch: list[ScheduledSeq], rows: list[ScheduledSeq],
-                sampling: SamplingTensors | None, sharded: bool) -> LaunchedStep:
+                sampling: SamplingTensors | None, sharded: bool,
+                token_masks: TokenMasks | None) -> LaunchedStep:
         start = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
         logits = self.run_model(batch, start, gather=not sharded)
         guard = self.tp.guard if self.tp is not None else None
@@ -456,6 +471,9 @@ class ModelRunner:
             self._remember_sampled(rows, None)
             return LaunchedStep(batch, None, guard=guard)
         assert sampling is not None
+        if sampling.any_token_mask:
+            assert token_masks is not None, "a row has a constraint but no mask source"
+            sampling.token_bitmask = token_masks(rows).to(self.device, non_blocking=True)
         if sharded:
             out = SamplerOutput(self.sampler.sample_shard(logits, sampling, self.vocab_start))
         else:

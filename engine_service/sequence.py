@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import random
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from engine_service.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_service.structured_output import TokenConstraint
 
 
 class SequenceStatus(Enum):
@@ -23,18 +27,21 @@ class Sequence:
 
     `num_cached_tokens`: prompt tokens the prefix cache served at the *first* schedule (what
     usage reports; recomputes after preemption do not change it). `arrival`: FCFS order, set
-    by `Scheduler.add`. `num_pending_tokens` (0 or 1): a token sampled on the device but not
-    yet in `token_ids` (async scheduling); its KV slot is scheduled like any other token.
+    by `Scheduler.add`, as is `sched_key`, the scheduler's order: (priority, arrival) under
+    the priority policy, (0, arrival) under fcfs; lower runs earlier. `num_pending_tokens`
+    (0 or 1): a token sampled on the device but not yet in `token_ids` (async scheduling);
+    its KV slot is scheduled like any other token.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_table", "block_hashes", "num_hashed_blocks", "status", "sampling_params", "seed",
         "arrival", "num_pending_tokens", "finish_reason", "stop_reason", "num_preemptions",
+        "priority", "sched_key", "constraint",
     )
 
     def __init__(self, seq_id: str, token_ids: list[int], sampling_params: SamplingParams,
-                 arrival: int = 0) -> None:
+                 arrival: int = 0, priority: int = 0) -> None:
         if len(token_ids) == 0:
             raise ValueError(f"prompt of {seq_id!r} must have at least one token")
         self.seq_id = seq_id
@@ -53,8 +60,12 @@ class Sequence:
         self.seed: int = (sampling_params.seed if sampling_params.seed is not None
                           else random.getrandbits(63))
         self.arrival = arrival
+        self.priority = priority
+        self.sched_key: tuple[int, int] = (0, arrival)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        # Structured output / allowed_token_ids; set by the engine once compiled.
+        self.constraint: TokenConstraint | None = None
         self.num_preemptions = 0
 
     @property

@@ -81,6 +81,7 @@ class MirrorSeq:
     num_prompt_tokens: int
     sampling_params: SamplingParams  # temperature only: the rest is rank 0's business
     seed: int
+    constraint: None = None  # structured output is applied by rank 0 alone
 
 
 def _float_bits(x: float) -> int:

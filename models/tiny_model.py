@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,39 @@ CORPUS = [
 ]
 
 
+def json_corpus(n: int = 8000, seed: int = 0) -> list[str]:
+    """n compact JSON records (camelCase keys, words, numbers, nesting) made from CORPUS's
+    words: enough frequent pairs for a few thousand merges, JSON punctuation among them."""
+    rng = random.Random(seed)
+    words = sorted({w.strip(".,!?:;()").lower() for t in CORPUS for w in t.split()})
+    words = [w for w in words if w.isalpha()]
+    keys = words + sorted({rng.choice(words) + rng.choice(words).capitalize()
+                           for _ in range(1500)})
+
+    def value(depth: int) -> Any:
+        kind = rng.randrange(7 if depth < 2 else 5)
+        if kind == 0:
+            return rng.randrange(-1000, 100000)
+        if kind == 1:
+            return rng.choice([True, False, None])
+        if kind == 2:
+            return round(rng.uniform(-100, 100), rng.randrange(1, 4))
+        if kind in (3, 4):
+            return " ".join(rng.choices(words, k=rng.randint(1, 4)))
+        if kind == 5:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return record(depth + 1)
+
+    def record(depth: int = 0) -> dict:
+        return {rng.choice(keys): value(depth) for _ in range(rng.randint(1, 4))}
+
+    return [json.dumps(record(), separators=(",", ":")) for _ in range(n)]
+
+
 def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Any:
-    """Byte-level BPE trained on CORPUS; special tokens get ids 0, 1, 2. Deterministic."""
+    """Byte-level BPE trained on CORPUS, and on json_corpus() too for a vocabulary larger than
+    the default (whose merges stay exactly as they are); special tokens get ids 0, 1, 2.
+    Deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())  # byte-level: every string is encodable, no unk
@@ -79,7 +111,8 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    corpus = CORPUS if vocab_size <= TOKENIZER_VOCAB_SIZE else CORPUS + json_corpus()
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
 
 
@@ -182,11 +215,12 @@ def make_tiny_model(
     tie_word_embeddings: bool = True,
     num_shards: int = 1,
     weight_std: float = 0.2,
+    tokenizer_vocab_size: int = TOKENIZER_VOCAB_SIZE,
 ) -> Path:
     """Write a random Qwen3 checkpoint and tokenizer into `out_dir`; returns its path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(tokenizer_vocab_size)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     config = _hf_config(

@@ -205,8 +205,8 @@ def test_async_scheduling_overlaps_and_matches_the_synchronous_loop(tiny_model_d
     overlapped: list[bool] = []  # per result read: was a later step launched already?
     launch, result = llm.engine.model_runner.launch, LaunchedStep.result
 
-    def spy_launch(batch, eos):
-        launched.append(launch(batch, eos))
+    def spy_launch(batch, eos, token_masks=None):
+        launched.append(launch(batch, eos, token_masks))
         return launched[-1]
 
     def spy_result(self):

@@ -14,6 +14,7 @@ from models.layers.sampler import (
     SamplingTensors,
     apply_min_p,
     apply_penalties,
+    apply_token_bitmask,
     apply_top_k_top_p,
     hashed_uniform,
 )
@@ -438,3 +439,36 @@ def test_shard_sampling_is_refused_where_more_than_temperature_shapes_the_draw()
             Sampler().sample_shard(torch.zeros(1, 8), t, 0)
     assert not build([{"temperature": 0.8}], vocab=8, suppress=[(0, 3)]).temperature_only
     assert build([{"temperature": 0.8}, {"temperature": 0.0}], vocab=8).temperature_only
+
+
+# ---- logit bias and token bitmasks ---------------------------------------------------------
+
+
+def test_token_bitmask_matches_xgrammar() -> None:
+    xgr = pytest.importorskip("xgrammar")
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word's high bits lie past the vocabulary
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-vocab // 32)), dtype=torch.int32,
+                            generator=gen)
+    logits = torch.randn(5, vocab, generator=gen)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab)
+    assert torch.equal(apply_token_bitmask(logits, bitmask), expected)
+
+
+def test_bitmask_bias_and_logprobs_together() -> None:
+    """A masked token is never drawn even with +100 bias on it; the bias moves the draw
+    among allowed tokens; logprobs stay the model's own (before bias and mask)."""
+    logits = torch.zeros(2, 40)
+    params = [SamplingParams(temperature=1.0, logit_bias={3: 100.0, 33: 100.0}, logprobs=1),
+              SamplingParams(temperature=0.0, logit_bias={7: -100.0})]
+    bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias.items()]
+    t = SamplingTensors.build(params, [1, 2], [0, 0], None, None, [], 40, "cpu", bias, True)
+    assert not t.temperature_only
+    mask = torch.full((2, 2), -1, dtype=torch.int32)
+    mask[0, 0] = 0  # tokens 0..31 banned in row 0: the +100 on token 3 cannot win
+    t.token_bitmask = mask
+    out = Sampler()(logits, t)
+    assert out.sampled_token_ids.tolist() == [33, 0]  # row 1: greedy over 0s, 7 pushed down
+    assert out.logprobs is not None
+    assert out.logprobs[0].item() == pytest.approx(-math.log(40))

@@ -340,6 +340,24 @@ def test_tp2_seeded_sampling_equals_tp1_sharded_and_gathered(tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_tp2_constrained_requests_equal_tp1(tiny_model_dir):
+    """Structured output, logit_bias and allowed_token_ids at TP=2: rank 0 masks the gathered
+    logits and the workers take its tokens; every row matches TP=1 and the grammars end."""
+    schema = ('{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, '
+              '"maximum": 9}}, "required": ["n"]}')
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, json_schema=schema)
+              for i in range(3)]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, seed=7, regex="[a-c]{2,4}x"),
+               SamplingParams(max_tokens=6, logit_bias={40: 100.0}),
+               SamplingParams(max_tokens=6, temperature=1.0, seed=3, allowed_token_ids=[5, 9])]
+    prompts = random_prompts(len(params), 500, seed=4, lo=3, hi=12)
+    ref, got, _ = generate_tp1_then_tp2(tiny_model_dir, [prompts], params=[params])
+    assert [o.token_ids for o in got[0]] == [o.token_ids for o in ref[0]]
+    assert [o.finish_reason for o in got[0][:4]] == ["stop"] * 4
+    assert set(got[0][4].token_ids) == {40} and set(got[0][5].token_ids) <= {5, 9}
+
+
+@pytest.mark.slow
 def test_bad_tp_size_is_a_clear_error_and_leaves_no_rank(tiny_model_dir):
     import torch.distributed as dist
 

@@ -94,6 +94,13 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None = None  # bool [B, V], only when any_penalty
     output_counts: torch.Tensor | None = None  # int32 [B, V], only when any_penalty
     suppress_token_ids: torch.Tensor | None = None  # int64 [K, 2] (row, token id) -> -inf
+    logit_bias_ids: torch.Tensor | None = None  # int64 [2, L] (row, token id) += bias
+    logit_bias: torch.Tensor | None = None  # float32 [L]
+    # int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 set where token t may be drawn. It is
+    # filled after the forward pass is queued (the runner sets it), so `any_token_mask` says
+    # at build time that one will come.
+    token_bitmask: torch.Tensor | None = None
+    any_token_mask: bool = False
     max_num_logprobs: int = -1  # top-n logprobs to return; -1 = no row wants logprobs
     all_greedy: bool = False
     any_top_k: bool = False
@@ -106,7 +113,8 @@ class SamplingTensors:
         """Only temperature shapes the draws and no logprobs are wanted, so vocab shards can
         each take the argmax over their own columns (`Sampler.sample_shard`)."""
         return not (self.any_penalty or self.suppress_token_ids is not None or self.any_top_k
-                    or self.any_top_p or self.any_min_p or self.max_num_logprobs >= 0)
+                    or self.any_top_p or self.any_min_p or self.max_num_logprobs >= 0
+                    or self.logit_bias is not None or self.any_token_mask)
 
     @classmethod
     def build(
@@ -119,8 +127,11 @@ class SamplingTensors:
         suppress: Sequence[tuple[int, int]],
         vocab_size: int,
         device: torch.device | str,
+        bias: Sequence[tuple[int, int, float]] = (),
+        any_token_mask: bool = False,
     ) -> SamplingTensors:
-        """Settings from SamplingParams in at most 4 host->device copies."""
+        """Settings from SamplingParams in at most 5 host->device copies. bias: (row, token
+        id, logit bias) triples."""
         device = torch.device(device)
         b = len(params)
         if len(seeds) != b or len(steps) != b:
@@ -172,13 +183,20 @@ class SamplingTensors:
 
         suppress_ids = (to_device([list(pair) for pair in suppress], torch.int64, device)
                         if suppress else None)
+        bias_ids = bias_values = None
+        if bias:
+            rows, ids, values = zip(*bias, strict=True)
+            flat = to_device(list(rows) + list(ids) + list(values), torch.float64, device)
+            bias_ids = flat[:2 * len(bias)].view(2, -1).long()  # ids < 2**53: exact
+            bias_values = flat[2 * len(bias):].float()
         return cls(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
             repetition_penalties=floats[3], presence_penalties=floats[4],
             frequency_penalties=floats[5],
             top_ks=ints[0].to(torch.int32), seeds=ints[1], sample_steps=ints[2],
             prompt_mask=prompt_mask, output_counts=output_counts,
-            suppress_token_ids=suppress_ids, max_num_logprobs=max(wanted, default=-1),
+            suppress_token_ids=suppress_ids, logit_bias_ids=bias_ids, logit_bias=bias_values,
+            any_token_mask=any_token_mask, max_num_logprobs=max(wanted, default=-1),
             all_greedy=all_greedy, any_top_k=any_top_k, any_top_p=any_top_p,
             any_min_p=any_min_p, any_penalty=any_penalty)
 
@@ -202,6 +220,16 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     logits = torch.where(seen, penalised, logits)
     logits = logits - t.presence_penalties[:, None] * (counts > 0).to(logits.dtype)
     return logits - t.frequency_penalties[:, None] * counts
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a row's bitmask bit is clear. logits float32 [B, V]; bitmask int32 [B, W]
+    with W * 32 >= V. Read as bytes (little-endian words): a [B, V] uint8 temporary at most."""
+    b, v = logits.shape
+    bytes_ = bitmask.view(torch.uint8)  # [B, 4W]: byte k holds tokens 8k .. 8k + 7
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)  # made on the device
+    allowed = ((bytes_[:, :, None] >> shifts) & 1).bool()  # [B, 4W, 8]
+    return logits.masked_fill(~allowed.view(b, -1)[:, :v], -math.inf)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -297,11 +325,17 @@ class Sampler(nn.Module):
         raw = logits
         if t.any_penalty:
             logits = apply_penalties(logits, t)
+        if t.logit_bias is not None:
+            assert t.logit_bias_ids is not None
+            logits = logits.index_put((t.logit_bias_ids[0], t.logit_bias_ids[1]), t.logit_bias,
+                                      accumulate=True)
         if t.suppress_token_ids is not None:
             sup = t.suppress_token_ids
             # The fill value is made on the device: a host scalar tensor would mean a copy.
             logits = logits.index_put((sup[:, 0], sup[:, 1]),
                                       logits.new_full((sup.shape[0],), -math.inf))
+        if t.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, t.token_bitmask)
         if t.all_greedy:
             tokens = logits.argmax(dim=-1)  # [B]
         elif kernel:

@@ -38,11 +38,59 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def resolve_model(model: str) -> tuple[str, bool]:
+def resolve_model(model: str, tokenizer: bool = False) -> tuple[str, bool]:
     """A model directory as given, or a preset name written to a temporary directory.
-    Returns (directory, is_preset); presets have no weights, so they run with dummy ones."""
+    Returns (directory, is_preset); presets have no weights, so they run with dummy ones,
+    and no tokenizer unless asked for (`write_bench_tokenizer`)."""
     if model not in PRESETS:
         return model, False
     out = Path(tempfile.mkdtemp(prefix=f"nanoserve-{model}-"))
-    (out / "config.json").write_text(json.dumps(PRESETS[model], indent=2))
+    config = PRESETS[model]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer:
+        write_bench_tokenizer(out, config["vocab_size"], config["eos_token_id"])
     return str(out), True
+
+
+def _byte_chars() -> list[str]:
+    """The byte-level BPE alphabet: byte b -> a printable character (GPT-2's mapping)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _bench_token(rng) -> str:
+    """A token as BPE vocabularies hold them: mostly word pieces (a third after a space),
+    some digit groups of up to 3 (as Llama 3 and Qwen split numbers), some punctuation."""
+    kind = rng.random()
+    if kind < 0.85:
+        word = "".join(rng.choice("etaoinshrdlucmfwypvbgkqjxz") for _ in range(rng.randint(2, 9)))
+        word = word.capitalize() if rng.random() < 0.2 else word
+        return (" " if rng.random() < 0.33 else "") + word
+    if kind < 0.9:
+        return "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 3)))
+    return "".join(rng.choice("\"'{}[](),.:;-_/!?<>=#") for _ in range(rng.randint(1, 3)))
+
+
+def write_bench_tokenizer(out: Path, vocab_size: int, eos_token_id: int, seed: int = 0) -> None:
+    """A byte-level BPE tokenizer of `vocab_size` tokens: the 256 bytes, then random
+    `_bench_token`s, so structured output's masks cost about what they cost on a real
+    vocabulary of that size."""
+    import random
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = _byte_chars()
+    rng = random.Random(seed)
+    vocab = {c: i for i, c in enumerate(chars)}
+    while len(vocab) < vocab_size:
+        text = "".join(chars[b] for b in _bench_token(rng).encode())
+        vocab.setdefault(text, len(vocab))
+    eos = next(t for t, i in vocab.items() if i == eos_token_id)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(eos, special=True)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}))

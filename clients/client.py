@@ -15,8 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.errors import from_rpc_error
+from engine_service.common import proto_convert as pb_convert
 from engine_service.common.api_key import key_metadata
-from engine_service.common.sampling_params import SamplingParams
+from engine_service.common.proto_convert import sampling_params_to_proto
+from engine_service.common.sampling_params import SamplingParams, check_field
 from engine_service.common.tls import (
     ChannelOptions,
     channel_credentials,
@@ -30,24 +32,15 @@ from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 
-def _is_repeated(f: Any) -> bool:
-    # protobuf 7 dropped FieldDescriptor.label; versions before 5.x lack is_repeated
-    is_repeated = getattr(f, "is_repeated", None)
-    return bool(is_repeated) if is_repeated is not None else f.label == f.LABEL_REPEATED
-
-
-# Taken from the proto so a new sampling field needs no client change.
-SAMPLING_FIELDS: frozenset[str] = frozenset(
-    f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
-_REPEATED_FIELDS: frozenset[str] = frozenset(
-    f.name for f in pb.SamplingParams.DESCRIPTOR.fields if _is_repeated(f))
+SAMPLING_FIELDS = pb_convert.SAMPLING_FIELDS
 # Fields the engines check in SamplingParams; the client runs the same checks before sending.
 _CHECKED_FIELDS: frozenset[str] = frozenset(f.name for f in fields(SamplingParams))
 
 
-def build_request(prompt: Prompt, request_id: str | None = None,
+def build_request(prompt: Prompt, request_id: str | None = None, priority: int = 0,
                   **sampling: Any) -> pb.GenerateRequest:
-    """A GenerateRequest from a prompt and SamplingParams field values (None = leave unset).
+    """A GenerateRequest from a prompt and SamplingParams field values (None = leave unset);
+    `priority` (an int32, lower runs earlier on engines with --scheduling-policy priority).
 
     `stop` may be one string. Raises TypeError for an unknown keyword or a prompt of the
     wrong shape, ValueError for an empty prompt list or a value the proto cannot hold
@@ -58,11 +51,11 @@ def build_request(prompt: Prompt, request_id: str | None = None,
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)} "
                         f"(expected {', '.join(sorted(SAMPLING_FIELDS))})")
-    request = pb.GenerateRequest(request_id=request_id or "")
+    check_field(isinstance(priority, int) and -2**31 <= priority < 2**31, "priority",
+                "an int32", priority)
+    request = pb.GenerateRequest(request_id=request_id or "", priority=priority,
+                                 sampling=sampling_params_to_proto(sampling))
     _set_prompt(request, prompt)
-    for name, value in sampling.items():
-        if value is not None:
-            _set_sampling_field(request.sampling, name, value)
     return request
 
 
@@ -97,16 +90,6 @@ def _set_prompt(request: pb.GenerateRequest, prompt: Prompt) -> None:
     else:
         raise TypeError("a list prompt must hold only ints (token ids) or only "
                         "{'role', 'content'} dicts (chat messages)")
-
-
-def _set_sampling_field(params: pb.SamplingParams, name: str, value: Any) -> None:
-    try:
-        if name in _REPEATED_FIELDS:
-            getattr(params, name).extend([value] if isinstance(value, str) else list(value))
-        else:
-            setattr(params, name, value)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"sampling parameter {name}={value!r}: {e}") from None
 
 
 def finish_reason_name(value: int) -> str | None:
@@ -196,9 +179,9 @@ def _prepare(prompt: Prompt, kwargs: dict[str, Any],
     """Split call keywords from sampling keywords; timeout None falls back to the client's."""
     timeout = kwargs.pop("timeout", None)
     timeout = default_timeout if timeout is None else timeout
-    request_id = kwargs.pop("request_id", None)
+    request_id, priority = kwargs.pop("request_id", None), kwargs.pop("priority", 0)
     check_sampling(kwargs)  # before anything is sent, in the engines' words
-    return build_request(prompt, request_id=request_id, **kwargs), timeout
+    return build_request(prompt, request_id, priority, **kwargs), timeout
 
 
 class Client:

@@ -267,7 +267,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self.registry[state.core_id] = state
         self.client_ids_in_flight.add(rid)
         self.idle.clear()
-        self._send(core.AddRequest(state.core_id, ids, params))
+        self._send(core.AddRequest(state.core_id, ids, params, request.priority))
         return state
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:

@@ -56,6 +56,7 @@ from engine_service.common.block_hash import hash_prompt_blocks
 from engine_service.common.http_server import Backend, HttpServer, bind_http, build_app, serve_http
 from engine_service.common.openai_protocol import ModelCard
 from engine_service.common.proto_convert import (
+    MAX_REQUEST_BYTES,
     Refused,
     StatusInterceptor,
     add_chunk,
@@ -127,7 +128,7 @@ def continuation_request(original: pb.GenerateRequest, request_id: str, prompt_i
                          sent_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
     """The request for the engine: the prompt as token ids; after a failover, prompt + tokens
     already sent, with max_tokens / min_tokens reduced by what was sent (seed unchanged)."""
-    request = pb.GenerateRequest(request_id=request_id)
+    request = pb.GenerateRequest(request_id=request_id, priority=original.priority)
     request.sampling.CopyFrom(original.sampling)
     request.token_ids.ids.extend(prompt_ids)
     if sent_ids:
@@ -215,7 +216,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
         with contextlib.ExitStack() as held:  # released as the request ends, however
             held.callback(self._hold_request_id(request.request_id, context))
-            held.callback(await self._admit(context))
+            held.callback(await self._admit(context, request.priority))
             prompt_ids = await self._prompt_ids(request)
             chunks = self._attempts(request, params, prompt_ids, context)
             async with contextlib.aclosing(chunks):
@@ -243,12 +244,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         context.add_done_callback(release)
         return release
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> Callable[..., None]:
+    async def _admit(self, context: grpc.aio.ServicerContext,
+                     priority: int) -> Callable[..., None]:
         """A --max-concurrent-requests slot, held until the RPC ends (released as in
         _hold_request_id); or RESOURCE_EXHAUSTED with a retry-after hint in seconds in the
         trailing metadata, for an HTTP front's 429 + Retry-After."""
         try:
-            release = await self.admission.acquire()
+            release = await self.admission.acquire(priority)
         except Rejected as e:
             self.metrics.rejected.labels(e.reason).inc()
             context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
@@ -455,9 +457,6 @@ def _time_left(context: grpc.aio.ServicerContext) -> float | None:
     return max(remaining, 0.0)
 
 
-MAX_MESSAGE = 64 << 20  # bytes: a 2M-token context's prompt at MAX_PROMPT_BYTES_PER_TOKEN
-
-
 class Router:
     """The router process: gRPC server (Generation, health, reflection), engine pool,
     prefix index, metrics endpoint."""
@@ -484,10 +483,9 @@ class Router:
         # no SO_REUSEPORT: a second router on a taken port must fail, not share it. Engines'
         # limits are not known yet, so room for any prompt they may take; the prompt itself
         # is then checked against the engines' (check_prompt_bytes).
+        options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
         server = grpc.aio.server(interceptors=[*api_key_interceptors(self.config.api_key),
-                                               StatusInterceptor()],
-                                 options=[("grpc.so_reuseport", 0),
-                                          ("grpc.max_receive_message_length", MAX_MESSAGE)])
+                                               StatusInterceptor()], options=options)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -27,6 +27,7 @@ Errors it can inject (FakeBehavior fields may be changed while it runs):
 - INVALID_ARGUMENT: missing/empty prompt, token id >= vocab_size, max_tokens of 0 or above
   `max_tokens_limit`, prompt + max_tokens > max_model_len, duplicate in-flight request_id.
 - UNAVAILABLE "draining" when `accepting` is False.
+- UNAUTHENTICATED for Generate/Stream without `authorization: Bearer KEY` when `api_key` is set.
 - `reject_code`: every Generate/Stream fails at once with that code (only the next
   `reject_count` calls when that is set).
 - `fail_after_tokens`: a request that has sent that many tokens aborts with `fail_code`
@@ -56,6 +57,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine_service.common.api_key import GRPC_REFUSAL, HEADER, bearer_matches
 from engine_service.common.block_hash import HASH_SCHEME, hash_prompt_blocks
 from engine_service.common.tls import add_port
 from nanoserve.v1 import nanoserve_pb2 as pb
@@ -85,6 +87,7 @@ class FakeBehavior:
     tokenizer_piece_bytes: int = 64 * 1024
     kv_history_limit: int = 1000  # event batches kept for resuming subscribers
     load: pb.Load | None = None  # a fixed GetLoad answer instead of the computed one
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.eos_token_id < self.vocab_size:
@@ -289,6 +292,10 @@ class FakeEngine(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             self._on_rpc_end(run)
 
     def _admit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> _Run:
+        key = self.behavior.api_key
+        if key is not None and not bearer_matches(
+                dict(context.invocation_metadata()).get(HEADER), key):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, GRPC_REFUSAL)
         with self._cond:
             self.requests.append(pb.GenerateRequest.FromString(request.SerializeToString()))
             self._cond.notify_all()

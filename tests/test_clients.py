@@ -413,7 +413,11 @@ def test_node_client_matches_python_client(fake: FakeEngine, client: Client,
                                            tmp_path: Path) -> None:
     spec = {"prompt": "Hello", "sampling": {"max_tokens": 8, "temperature": 0}}
     result = client.generate(spec["prompt"], **spec["sampling"])
-    run_node_client_test(f"127.0.0.1:{fake.port}", spec, result, tmp_path)
+    # the Node suite runs with its apiKey against a fake that requires it (as --api-key does)
+    fake.behavior.api_key = "node-key"
+    out = run_node_client_test(f"127.0.0.1:{fake.port}", spec, result, tmp_path,
+                               env={"NANOSERVE_API_KEY": "node-key"})
+    assert re.search(r"^ok \d+ - apiKey .* the server refuses$", out, re.M), out  # not skipped
     # the Node test's early-closed stream was cancelled in the engine
     assert fake.wait_until(
         lambda: any(r.startswith("node-early-close-") for r in fake.cancelled), timeout=10)

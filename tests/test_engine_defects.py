@@ -4,6 +4,7 @@ conversion of sampling values, and how expired deadlines are counted."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -171,13 +172,33 @@ def test_prompt_byte_limit_names_field_and_limit():
 
     limit = 512 * 32
     check_prompt_bytes(pb.GenerateRequest(text="a" * limit), 512)
-    check_prompt_bytes(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)), 512)
+    check_prompt_bytes(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 511)), 512)
+    with pytest.raises(ValueError, match=r"^prompt must be at most max_model_len - 1 = 511 "
+                                         r"tokens \(room for one output token\), got 5000$"):
+        check_prompt_bytes(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)), 512)
     with pytest.raises(ValueError, match=rf"^text must be at most {limit} bytes .* got "
                                          rf"{limit + 1}$"):
         check_prompt_bytes(pb.GenerateRequest(text="a" * (limit + 1)), 512)
     many = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a" * 200)] * 100)
     with pytest.raises(ValueError, match=rf"^messages must be at most {limit} bytes"):
         check_prompt_bytes(pb.GenerateRequest(messages=many), 512)
+
+
+def test_prompts_past_grpcs_default_size_are_invalid_argument_naming_the_limit(stub):
+    # 5 MB each, past grpc's 4 MiB default: the engine reads them and names its own limit
+    for request, message in (
+            (_request("a" * (5 << 20), max_tokens=1),
+             f"text must be at most 16384 bytes (32 per token of max_model_len 512), "
+             f"got {5 << 20}"),
+            (_request([1000] * 2_500_000, max_tokens=1),  # 2 bytes an id on the wire
+             "prompt must be at most max_model_len - 1 = 511 tokens (room for one output "
+             "token), got 2500000")):
+        for call in (stub.Generate, lambda r, **kw: list(stub.Stream(r, **kw))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert err.value.details() == message
+    _engine_still_serves(stub)
 
 
 def test_rejected_huge_prompts_do_not_pile_up_memory(engine, stub):
@@ -220,17 +241,29 @@ def test_long_values_are_not_echoed_in_errors(engine, stub):
 # ------------------------------------------------------------------ #9 undecodable bytes
 
 
-def test_undecodable_request_is_invalid_argument(engine, stub):
-    bad_text = b"\x12\x02\xff\xfe"  # field 2 (text), length 2, not UTF-8
+def test_undecodable_request_is_invalid_argument_naming_the_field(engine, stub):
+    chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(
+        role="user", content="hi")]), sampling=pb.SamplingParams(stop=["ab"]))
+    cases = [  # (request bytes, the message)
+        (b"\x12\x02\xff\xfe", "text"),  # field 2 (text), length 2, not UTF-8
+        (chat.SerializeToString().replace(b"hi", b"h\xff"), "messages.messages.content"),
+        (chat.SerializeToString().replace(b"ab", b"a\xff"), "sampling.stop"),
+        (b"\x12\x05ab", None),  # 5 bytes promised, 2 sent: no field to blame
+    ]
     with grpc.insecure_channel(engine.target) as channel:
-        for method, call in (("Generate", channel.unary_unary), ("Stream", channel.unary_stream)):
+        for (raw, field), (method, call) in itertools.product(
+                cases, (("Generate", channel.unary_unary), ("Stream", channel.unary_stream))):
             rpc = call(f"/nanoserve.v1.Generation/{method}")  # bytes in, bytes out
             with pytest.raises(grpc.RpcError) as err:
-                result = rpc(bad_text, timeout=10)
+                result = rpc(raw, timeout=10)
                 if method == "Stream":
                     list(result)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-            assert "could not be decoded" in err.value.details()
+            if field is None:
+                assert err.value.details().startswith("request could not be decoded: ")
+            else:
+                assert err.value.details() == (f"{field} must be valid UTF-8; the request "
+                                               f"could not be decoded")
     assert "Traceback" not in engine.output()
     _engine_still_serves(stub)
 

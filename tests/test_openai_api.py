@@ -8,9 +8,11 @@ a test is about its absence; the router sends its key on to the engine."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,14 @@ import pytest
 from benchmarks.procs import ServerProc
 from clients import Client
 from clients.errors import NanoserveError
+from engine_service.common.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    ModelCard,
+    generate_requests,
+)
+from engine_service.common.proto_convert import sampling_params_from_proto
+from engine_service.common.sampling_params import SamplingParams
 from tests.procs import start_engine, start_router, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,6 +201,19 @@ BAD_BODIES = [
      "temperature"),
     ({"prompt": 5}, "prompt must be str or list[str] or list[int] or list[list[int]]",
      "prompt"),
+    ({"prompt": "x", "echo": True}, "echo must be false (echoing the prompt is not supported)",
+     "echo"),
+    ({"prompt": "x", "best_of": 3}, "best_of must be null, 1 or n = 1", "best_of"),
+    ({"prompt": "x", "suffix": "end"}, "suffix must be null", "suffix"),
+    ({"prompt": "x", "logit_bias": {"hello": 5}}, "logit_bias must be an object keyed by "
+     "token ids (integers), got ['hello']", "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]",
+     "logit_bias[5]"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type must be text, "
+     "json_object or json_schema, got 'xml'", "response_format.type"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     "constraint must be at most one of json_schema, json_object, regex, choice, grammar",
+     "constraint"),
 ]
 
 
@@ -216,6 +239,75 @@ def test_bad_requests_are_400_naming_the_field_and_unknown_model_404(servers, ta
     with pytest.raises(openai.NotFoundError) as err:
         sdk(servers[target]).completions.create(model="no-such-model", prompt="x")
     assert err.value.body["code"] == "model_not_found" and "no-such-model" in str(err.value)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# request fields -> the SamplingParams constraint they make (its `constraint` property)
+CONSTRAINT_FIELDS = [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, ("json_object", True)),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     ("json_schema", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": SCHEMA}}, ("json_schema", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": '{"type": "string"}'}}, ("json_schema", '{"type": "string"}')),
+    ({"structured_outputs": {"regex": "a+"}}, ("regex", "a+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", ["yes", "no"])),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, ("grammar", 'root ::= "a"')),
+    ({"structured_outputs": {"json_object": True}}, ("json_object", True)),
+    ({"guided_json": SCHEMA}, ("json_schema", json.dumps(SCHEMA))),
+    ({"guided_regex": "a+"}, ("regex", "a+")),
+    ({"guided_choice": ["yes", "no"]}, ("choice", ["yes", "no"])),
+    ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"')),
+]
+
+
+def test_logit_bias_and_constraint_fields_map_onto_sampling_params():
+    card = ModelCard(MODEL, 512, 1000)
+
+    def params(body: dict, kind=CompletionRequest) -> SamplingParams:
+        request, = generate_requests(kind.model_validate(body), card, "r")
+        return sampling_params_from_proto(request.sampling)  # what the engine will see
+
+    got = params({"prompt": "x", "logit_bias": {"5": 10, "7": -100},
+                  "allowed_token_ids": [1, 2]})
+    assert (got.logit_bias, got.allowed_token_ids) == ({5: 10.0, 7: -100.0}, [1, 2])
+    for fields, constraint in CONSTRAINT_FIELDS:
+        assert params({"prompt": "x", **fields}).constraint == constraint, fields
+        assert params({"messages": CHAT, **fields}, ChatRequest).constraint == constraint, fields
+
+
+@pytest.mark.parametrize("target", ["engine", "router"])
+def test_body_over_the_request_limit_is_413_before_it_is_read(servers, target):
+    limit = 64 << 20  # MAX_REQUEST_BYTES, the gRPC servers' own
+    port = int(servers[target].url.rsplit(":", 1)[1])
+
+    def post(framing: bytes, body: Iterator[bytes]) -> tuple[int, dict]:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + KEY.encode() + b"\r\nContent-Type: application/json\r\n" + framing)
+            for part in body:
+                sock.sendall(part)
+            reply = http.client.HTTPResponse(sock)
+            reply.begin()
+            return reply.status, json.loads(reply.read())
+
+    # a declared size past the limit is refused with only the headers read
+    status, body = post(b"Content-Length: %d\r\n\r\n" % (limit + 1), iter([b'{"prompt": "']))
+    assert status == 413, body
+    assert body["error"] == {"message": f"request body must be at most {limit} bytes, got "
+                             f"{limit + 1}", "type": "invalid_request_error", "param": None,
+                             "code": "request_too_large"}
+    if target == "engine":  # a chunked body is cut off as soon as it passes the limit
+        chunk = b"a" * (1 << 20)
+        status, body = post(b"Transfer-Encoding: chunked\r\n\r\n",
+                            (b"100000\r\n" + chunk + b"\r\n" for _ in range(65)))
+        assert status == 413, body
+        assert body["error"]["message"].startswith(f"request body must be at most {limit} "
+                                                   f"bytes, got at least ")
+    done = sdk(servers[target]).completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 2  # and the server goes on serving
 
 
 def abort_count(server: Server) -> float:

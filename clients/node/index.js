@@ -170,17 +170,25 @@ function channelCredentials(tlsCa, tlsCert, tlsKey) {
 
 class Client {
   // target: "host:port". timeout: default deadline in seconds for every call (null: none);
-  // a call's own `timeout` option overrides it.
+  // a call's own `timeout` option overrides it. apiKey: sent as `authorization: Bearer KEY`
+  // metadata on every call, for servers started with --api-key.
   constructor(target, {
     timeout = null, credentials = null, channelOptions = {}, tlsCa = null, tlsCert = null,
-    tlsKey = null,
+    tlsKey = null, apiKey = null,
   } = {}) {
     this.target = target;
     this.timeout = timeout;
+    this.apiKey = apiKey;
     const creds = credentials || channelCredentials(tlsCa, tlsCert, tlsKey);
     this._generation = new v1.Generation(target, creds, channelOptions);
     this._engine = new v1.Engine(target, creds,
                                  { channelOverride: this._generation.getChannel() });
+  }
+
+  _metadata() {
+    const metadata = new grpc.Metadata();
+    if (this.apiKey) metadata.set('authorization', `Bearer ${this.apiKey}`);
+    return metadata;
   }
 
   _callOptions(timeout) {
@@ -191,7 +199,7 @@ class Client {
 
   _unary(stub, method, request, timeout) {
     return new Promise((resolve, reject) => {
-      stub[method](request, this._callOptions(timeout), (err, response) => {
+      stub[method](request, this._metadata(), this._callOptions(timeout), (err, response) => {
         if (err) reject(toNanoserveError(err));
         else resolve(response);
       });
@@ -213,7 +221,7 @@ class Client {
   }
 
   async * _stream(request, callOptions) {
-    const call = this._generation.Stream(request, callOptions);
+    const call = this._generation.Stream(request, this._metadata(), callOptions);
     call.on('error', () => {}); // the iterator below reports errors; a late CANCELLED must not crash
     try {
       for await (const chunk of call) yield toResult(chunk);

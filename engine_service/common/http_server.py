@@ -5,7 +5,8 @@ the process's Generation servicer exactly as gRPC calls reach it (its Stream han
 an HttpCallContext for the grpc context); its chunks come back as OpenAI JSON or SSE. A
 handler's Refused becomes an OpenAI error object: INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
 NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (Retry-After from the call's trailing metadata),
-UNAVAILABLE 503, anything else 500. A client that disconnects cancels the servicer's
+UNAVAILABLE 503, anything else 500. A body over MAX_REQUEST_BYTES (the gRPC servers' limit)
+is 413, refused before it is read whole. A client that disconnects cancels the servicer's
 generator, so the engine aborts the request and frees its KV blocks.
 """
 
@@ -39,7 +40,7 @@ from engine_service.common.openai_protocol import (
     generate_requests,
     sse_event,
 )
-from engine_service.common.proto_convert import Refused, add_chunk
+from engine_service.common.proto_convert import MAX_REQUEST_BYTES, Refused, add_chunk
 from engine_service.common.sampling_params import quote
 from nanoserve.v1 import nanoserve_pb2 as pb
 
@@ -94,9 +95,11 @@ class HttpError(Exception):
     message names ("temperature must be ...")."""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, param: str | None = None,
-                 error_code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 error_code: str | None = None, headers: dict[str, str] | None = None,
+                 status: int | None = None) -> None:
         super().__init__(message)
         self.status, default_kind = HTTP_STATUS.get(code, (500, "server_error"))
+        self.status = status or self.status
         match = _FIELD.match(message)
         self.body = {"error": {"message": message, "type": default_kind,
                                "param": param or (match.group(1) if match else None),
@@ -174,6 +177,26 @@ async def _collect(choices: AsyncIterator[tuple[int, pb.GenerateChunk]],
         async for index, chunk in choices:
             add_chunk(outs[index], chunk)
     return outs
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, or a 413 once it is known to be over MAX_REQUEST_BYTES: from Content-Length
+    before any of it is read, else as soon as what has come exceeds it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > MAX_REQUEST_BYTES:
+        raise _too_large(declared)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_REQUEST_BYTES:
+            raise _too_large(f"at least {size}")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large(size: str) -> HttpError:
+    return HttpError(Code.INVALID_ARGUMENT, f"request body must be at most {MAX_REQUEST_BYTES} "
+                     f"bytes, got {size}", error_code="request_too_large", status=413)
 
 
 async def _disconnected(request: Request) -> None:
@@ -269,7 +292,7 @@ class _Front:
                         kind: type[CompletionRequest] | type[ChatRequest]) -> Response:
         self._authorize(request)
         try:
-            body = kind.model_validate_json(await request.body())
+            body = kind.model_validate_json(await _read_body(request))
         except ValidationError as e:
             raise _invalid(e) from None
         card = self._card(body.model)

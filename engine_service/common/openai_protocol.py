@@ -3,8 +3,10 @@ request to pb.GenerateRequests, and pb.GenerateChunks back to OpenAI responses a
 
 Values are checked where the gRPC path checks them (SamplingParams, the servicers), so an HTTP
 client reads the same words as a gRPC one; this module checks only what gRPC cannot carry
-(n, content parts, numbers outside the proto's integer types). Unknown fields are accepted
-and ignored, as vLLM does (gateways add their own)."""
+(n, content parts, logit_bias keys, numbers outside the proto's integer types) and refuses
+the OpenAI fields nanoserve cannot honour (echo, best_of, suffix). Structured output comes
+from OpenAI's response_format or vLLM's structured_outputs and guided_* fields. Unknown
+fields are accepted and ignored, as vLLM does (gateways add their own)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from engine_service.common.sampling_params import SamplingParams, check_field
+from engine_service.common.proto_convert import sampling_params_to_proto
+from engine_service.common.sampling_params import CONSTRAINTS, SamplingParams, check_field
 from nanoserve.v1 import nanoserve_pb2 as pb
 
 if TYPE_CHECKING:
@@ -31,7 +34,7 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
                   pb.FINISH_REASON_ABORT: "abort"}
 _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-                    "stop_token_ids", "ignore_eos", "skip_special_tokens")
+                    "stop_token_ids", "ignore_eos", "skip_special_tokens", "allowed_token_ids")
 DONE_EVENT = "data: [DONE]\n\n"
 
 
@@ -62,6 +65,27 @@ class Message(_Open):
     content: str | list[ContentPart] | None = None
 
 
+class JsonSchemaFormat(_Open):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Open):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Open):
+    """vLLM's structured_outputs: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Request(_Open):
     model: str | None = None
     max_tokens: int | None = None
@@ -78,6 +102,14 @@ class _Request(_Open):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    allowed_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spellings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     n: int = 1
     user: str | None = None  # accepted; nothing is done with it
     stream: bool = False
@@ -93,6 +125,9 @@ class _Request(_Open):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # top-n alternatives per token
+    echo: bool | None = None  # refused when true, as are best_of and suffix: not supported
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatRequest(_Request):
@@ -119,22 +154,53 @@ def _sampling_kwargs(req: _Request, card: ModelCard) -> dict[str, Any]:
                     "set only with logprobs: true", req.top_logprobs)
         if req.logprobs:
             kwargs["logprobs"] = req.top_logprobs or 0
-    elif req.logprobs is not None:
-        kwargs["logprobs"] = req.logprobs
+    else:
+        _check_supported(req)
+        if req.logprobs is not None:
+            kwargs["logprobs"] = req.logprobs
+    if req.logit_bias is not None:
+        bad = [t for t in req.logit_bias if not t.strip().removeprefix("-").isdecimal()]
+        check_field(not bad, "logit_bias", "an object keyed by token ids (integers)", bad[:5])
+        kwargs["logit_bias"] = {int(t): bias for t, bias in req.logit_bias.items()}
+    given = _constraints(req)
+    kinds = [kind for kind, _ in given]  # two different kinds: SamplingParams refuses them
+    check_field(len(set(kinds)) == len(kinds), "constraint",
+                f"at most one of {', '.join(CONSTRAINTS)}", kinds)
+    kwargs.update(given)
     return kwargs
 
 
-def _sampling_proto(kwargs: dict[str, Any]) -> pb.SamplingParams:
-    msg = pb.SamplingParams()
-    for name, value in kwargs.items():
-        try:
-            if isinstance(value, list):
-                getattr(msg, name).extend(value)
-            else:
-                setattr(msg, name, value)
-        except (TypeError, ValueError):  # past the proto's integer type; gRPC cannot send it
-            check_field(False, name, "within the API's integer range", value)
-    return msg
+def _check_supported(req: CompletionRequest) -> None:
+    """Refused rather than ignored: each would change the answer the client expects."""
+    check_field(not req.echo, "echo", "false (echoing the prompt is not supported)", req.echo)
+    check_field(req.best_of in (None, 1, req.n), "best_of",
+                f"null, 1 or n = {req.n} (ranking extra choices is not supported)", req.best_of)
+    check_field(not req.suffix, "suffix", "null (text after the completion is not supported)",
+                req.suffix)
+
+
+def _constraints(req: _Request) -> list[tuple[str, Any]]:
+    """(SamplingParams field, value) of every structured-output constraint the request
+    names: OpenAI's response_format, vLLM's structured_outputs and guided_* fields."""
+    given: list[tuple[str, Any]] = []
+    if (fmt := req.response_format) is not None:
+        check_field(fmt.type in ("text", "json_object", "json_schema"), "response_format.type",
+                    "text, json_object or json_schema", fmt.type)
+        if fmt.type == "json_object":
+            given.append(("json_object", True))
+        elif fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_ if fmt.json_schema else None
+            check_field(schema is not None, "response_format.json_schema.schema",
+                        "a JSON schema (an object)", schema)
+            given.append(("json_schema", schema))
+    so = req.structured_outputs or StructuredOutputs()
+    given += [(kind, value) for kind, value in (
+        ("json_schema", req.guided_json), ("regex", req.guided_regex),
+        ("choice", req.guided_choice), ("grammar", req.guided_grammar),
+        ("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+        ("grammar", so.grammar), ("json_object", so.json_object or None)) if value is not None]
+    return [(kind, json.dumps(v) if kind == "json_schema" and not isinstance(v, str) else v)
+            for kind, v in given]
 
 
 def _prompts(req: CompletionRequest, card: ModelCard) -> list[str | list[int]]:
@@ -175,7 +241,7 @@ def generate_requests(req: CompletionRequest | ChatRequest, card: ModelCard,
     prompts = [_chat_messages(req.messages)] if chat else _prompts(req, card)
     check_field(req.n >= 1 and len(prompts) * req.n <= MAX_CHOICES, "n",
                 f">= 1, with n x prompts at most {MAX_CHOICES}", req.n)
-    sampling = _sampling_proto(kwargs)
+    sampling = sampling_params_to_proto(kwargs)
     requests = []
     for p, prompt in enumerate(prompts):
         for j in range(req.n):

@@ -9,7 +9,12 @@ import struct
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine_service.common.sampling_params import SamplingParams, check_field
+from engine_service.common.sampling_params import (
+    SamplingParams,
+    check_field,
+    check_prompt_len,
+    quote,
+)
 from nanoserve.v1 import nanoserve_pb2 as pb
 
 FINISH_REASONS = {
@@ -26,6 +31,9 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 # A text prompt's bytes per token of max_model_len beyond which it cannot fit (real text
 # averages ~4 bytes a token).
 MAX_PROMPT_BYTES_PER_TOKEN = 32
+# The largest request (gRPC message, HTTP body) a router or engine reads: a 2M-token context's
+# text prompt at MAX_PROMPT_BYTES_PER_TOKEN. Prompts are checked against the model's own limit.
+MAX_REQUEST_BYTES = 64 << 20
 
 
 def float32_to_decimal(x: float) -> float:
@@ -44,15 +52,60 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for name in _FLOAT_FIELDS:
         if name in kwargs:
             kwargs[name] = float32_to_decimal(kwargs[name])
+    if msg.logit_bias:
+        kwargs["logit_bias"] = {t: float32_to_decimal(b) for t, b in msg.logit_bias.items()}
+    if msg.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    kind = msg.WhichOneof("constraint")
+    if kind == "choice":
+        kwargs["choice"] = list(msg.choice.choices)
+    elif kind is not None:
+        kwargs[kind] = getattr(msg, kind)
     return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, **kwargs)
 
 
+def _is_repeated(f) -> bool:
+    # protobuf 7 dropped FieldDescriptor.label; versions before 5.x lack is_repeated
+    is_repeated = getattr(f, "is_repeated", None)
+    return bool(is_repeated) if is_repeated is not None else f.label == f.LABEL_REPEATED
+
+
+SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+_REPEATED_FIELDS = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields
+                             if _is_repeated(f) and f.name != "logit_bias")
+
+
+def sampling_params_to_proto(sampling: dict) -> pb.SamplingParams:
+    """pb.SamplingParams from SamplingParams field values (None = unset); `stop` and `choice`
+    may be one string. ValueError or TypeError names the field when the proto cannot hold a
+    value (a negative max_tokens, say)."""
+    msg = pb.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        try:
+            if name == "choice":
+                msg.choice.choices.extend([value] if isinstance(value, str) else value)
+            elif name == "logit_bias":
+                msg.logit_bias.update({int(t): b for t, b in value.items()})
+            elif name in _REPEATED_FIELDS:
+                getattr(msg, name).extend([value] if isinstance(value, str) else list(value))
+            else:
+                setattr(msg, name, value)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"sampling parameter {name}={quote(value)}: {e}") from None
+    return msg
+
+
 def check_prompt_bytes(request: pb.GenerateRequest, max_model_len: int) -> None:
     """ValueError when a text or chat prompt has more bytes than max_model_len tokens could
-    hold (MAX_PROMPT_BYTES_PER_TOKEN each): checked before tokenizing, so a huge text costs
-    no tokenizer time."""
+    hold (MAX_PROMPT_BYTES_PER_TOKEN each), or token ids are more than it holds: checked
+    before tokenizing or copying the ids, so a huge prompt costs no time."""
     kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        check_prompt_len(len(request.token_ids.ids), max_model_len)
+        return
     if kind == "text":
         size = len(request.text.encode("utf-8"))
     elif kind == "messages":
@@ -122,12 +175,51 @@ class Refused(Exception):
         self.code = code
 
 
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while raw[pos] & 0x80:
+        value |= (raw[pos] & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+    return value | raw[pos] << shift, pos + 1
+
+
+def _bad_utf8_field(raw: bytes, descriptor, prefix: str = "") -> str | None:
+    """The dotted name of the first string field whose bytes are not UTF-8 in `raw`, the wire
+    form of a `descriptor` message (protobuf's DecodeError does not name it); None if none."""
+    pos = 0
+    try:
+        while pos < len(raw):
+            tag, pos = _varint(raw, pos)
+            wire, field = tag & 7, descriptor.fields_by_number.get(tag >> 3)
+            if wire != 2:  # a varint, 64 or 32 bits: no string there
+                pos = _varint(raw, pos)[1] if wire == 0 else pos + {1: 8, 5: 4}[wire]
+                continue
+            size, pos = _varint(raw, pos)
+            data, pos = raw[pos:pos + size], pos + size
+            if field is None:
+                continue
+            name = f"{prefix}{field.name}"
+            if field.type == field.TYPE_MESSAGE:
+                if found := _bad_utf8_field(data, field.message_type, f"{name}."):
+                    return found
+            elif field.type == field.TYPE_STRING:
+                data.decode("utf-8")
+    except UnicodeDecodeError:
+        return name
+    except (IndexError, KeyError):  # truncated, or a wire type nanoserve's protos never use
+        return None
+    return None
+
+
 def _parse(parse, raw: bytes):
     try:
         return parse(raw)
     except DecodeError as e:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request could not be decoded: {e}") \
-            from None
+        message_type = getattr(parse, "__self__", None)  # the generated class's FromString
+        field = _bad_utf8_field(raw, message_type.DESCRIPTOR) if message_type else None
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{field} must be valid UTF-8; the request could not be decoded"
+                      if field else f"request could not be decoded: {e}") from None
 
 
 def _set_status(context, refused: Refused) -> None:

@@ -4,13 +4,15 @@
 // file written by the Python side: {"prompt", "sampling", "token_ids", "text"}; the stream
 // must reproduce its token ids and text exactly. NANOSERVE_TLS_CA=FILE (optional) connects
 // over TLS, verifying the server against that CA; NANOSERVE_TLS_CERT and NANOSERVE_TLS_KEY
-// (optional) add a client certificate.
+// (optional) add a client certificate. NANOSERVE_API_KEY=KEY (optional) sends that API key,
+// and checks that a client without it is refused.
 
 const { test } = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
 const path = require('node:path');
 const { spawnSync } = require('node:child_process');
+const grpc = require('@grpc/grpc-js');
 const {
   Client, buildRequest, InvalidArgument, DeadlineExceeded, NanoserveError,
 } = require('..');
@@ -19,12 +21,12 @@ const TARGET = process.env.NANOSERVE_TARGET;
 const EXPECT_JSON = process.env.NANOSERVE_EXPECT_JSON;
 const DEFAULT_SPEC = { prompt: 'Hello', sampling: { max_tokens: 8, temperature: 0 } };
 
-function requireTarget() {
+function requireTarget({ apiKey = process.env.NANOSERVE_API_KEY } = {}) {
   assert.ok(TARGET, 'set NANOSERVE_TARGET=HOST:PORT of a running nanoserve engine or router');
   const env = process.env;
   return new Client(TARGET, {
     timeout: 120, tlsCa: env.NANOSERVE_TLS_CA, tlsCert: env.NANOSERVE_TLS_CERT,
-    tlsKey: env.NANOSERVE_TLS_KEY,
+    tlsKey: env.NANOSERVE_TLS_KEY, apiKey,
   });
 }
 
@@ -105,6 +107,27 @@ test('leaving a stream early cancels it without crashing', async () => {
     assert.ok(result.token_ids.length >= 1);
   } finally {
     client.close();
+  }
+});
+
+test('apiKey is sent as bearer metadata; without it the server refuses', async (t) => {
+  if (!process.env.NANOSERVE_API_KEY) {
+    t.skip('the server needs no key (set NANOSERVE_API_KEY for one started with --api-key)');
+    return;
+  }
+  const keyless = requireTarget({ apiKey: null });
+  const wrong = requireTarget({ apiKey: 'wrong-key' });
+  try {
+    for (const client of [keyless, wrong]) {
+      await assert.rejects(client.generate('Hello', { max_tokens: 2 }), (err) => {
+        assert.ok(err instanceof NanoserveError, `got ${err}`);
+        assert.equal(err.grpcCode, grpc.status.UNAUTHENTICATED);
+        return true;
+      });
+    }
+  } finally {
+    keyless.close();
+    wrong.close();
   }
 });
 

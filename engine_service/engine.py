@@ -200,35 +200,40 @@ class LLMEngine:
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids)}
         outputs = []
+        constrained: list[tuple[Sequence, int, RequestOutput]] = []
         for item, token, lp in zip(sched.scheduled, result.token_ids, result.logprobs,
                                    strict=True):
             seq = item.seq
             done = seq.seq_id in finished
             if not done and (token is None or seq.is_finished):
                 continue  # a mid-prompt chunk, or a row of an aborted / stopped sequence
-            if seq.constraint is not None and token is not None:
-                done = self._advance_constraint(seq, token) or done
             # Positional: this runs for every row of every step.
-            outputs.append(RequestOutput(
+            out = RequestOutput(
                 seq.seq_id, [] if token is None else [token], [] if token is None else [lp],
                 done, seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
-                seq.num_cached_tokens, seq.num_output_tokens))
+                seq.num_cached_tokens, seq.num_output_tokens)
+            outputs.append(out)
+            if seq.constraint is not None and token is not None:
+                constrained.append((seq, token, out))
+        if constrained:
+            self._advance_constraints(constrained)
         return outputs
 
-    def _advance_constraint(self, seq: Sequence, token_id: int) -> bool:
-        """Feed the token to the request's matcher; True if that ends the request now: its
-        grammar is complete (even with ignore_eos), or, never expected, it refused the token."""
-        constraint = seq.constraint
-        assert constraint is not None
-        accepted = constraint.accept(token_id)
-        if seq.is_finished or (accepted and not constraint.is_terminated):
-            return False
-        if not accepted:
-            logger.error("request %r: sampled token %d outside its constraint", seq.seq_id,
-                         token_id)
-        self.scheduler.abort(seq.seq_id)  # frees its blocks now
-        seq.finish_reason = "stop" if accepted else "abort"
-        return True
+    def _advance_constraints(self, rows: list[tuple[Sequence, int, RequestOutput]]) -> None:
+        """Feed each row's token to its request's matcher (one batched call). A request ends
+        now when its grammar is complete (even with ignore_eos) or, never expected, when its
+        matcher refused the token."""
+        accepted = self.structured.accept([(seq.constraint, token) for seq, token, _ in rows])
+        for (seq, token, out), ok in zip(rows, accepted, strict=True):
+            assert seq.constraint is not None
+            if seq.is_finished or (ok and not seq.constraint.is_terminated):
+                continue
+            if not ok:
+                logger.error("request %r: sampled token %d outside its constraint", seq.seq_id,
+                             token)
+            self.scheduler.abort(seq.seq_id)  # frees its blocks now
+            seq.finish_reason = out.finish_reason = "stop" if ok else "abort"
+            out.finished = True
 
     def take_kv_events(self) -> list[KvEvent]:
         return self.block_manager.take_events()

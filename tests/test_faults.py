@@ -495,4 +495,6 @@ def test_rss_returns_after_a_burst_of_rejected_requests(cluster: Cluster) -> Non
                     list(pool.map(lambda _: burst(), range(4)))
                 sizes.append(rss_bytes(proc.proc.pid) >> 20)
             before, after = sizes[1], sizes[-1]
-        assert after <= before * 1.1, f"{name} RSS (MiB) after each burst: {sizes}"
+        # Each burst carries 288 MB: keeping a sixth of one already fails this bound, while
+        # the allocator's own fragmentation moves RSS by a few tens of MiB either way.
+        assert after - before <= 48, f"{name} RSS (MiB) after each burst: {sizes}"

@@ -275,11 +275,18 @@ def test_logit_bias_and_constraint_fields_map_onto_sampling_params():
     for fields, constraint in CONSTRAINT_FIELDS:
         assert params({"prompt": "x", **fields}).constraint == constraint, fields
         assert params({"messages": CHAT, **fields}, ChatRequest).constraint == constraint, fields
+    # vLLM's extra `priority` reaches GenerateRequest.priority, within int32
+    for kind, body in ((CompletionRequest, {"prompt": ["a", "b"]}),
+                       (ChatRequest, {"messages": CHAT})):
+        requests = generate_requests(kind.model_validate({**body, "priority": -3}), card, "r")
+        assert [r.priority for r in requests] == [-3] * len(requests)
+        with pytest.raises(ValueError, match=r"^priority must be an int32, got 2147483648$"):
+            generate_requests(kind.model_validate({**body, "priority": 2**31}), card, "r")
 
 
 @pytest.mark.parametrize("target", ["engine", "router"])
 def test_body_over_the_request_limit_is_413_before_it_is_read(servers, target):
-    limit = 64 << 20  # MAX_REQUEST_BYTES, the gRPC servers' own
+    limit = 64 << 20  # MAX_REQUEST_BYTES, the router's gRPC limit
     port = int(servers[target].url.rsplit(":", 1)[1])
 
     def post(framing: bytes, body: Iterator[bytes]) -> tuple[int, dict]:

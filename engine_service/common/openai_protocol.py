@@ -111,11 +111,12 @@ class _Request(_Open):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     n: int = 1
+    priority: int = 0  # vLLM's extra field: lower runs earlier (--scheduling-policy priority)
     user: str | None = None  # accepted; nothing is done with it
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    @field_validator("n", "stream", "logprobs", mode="before", check_fields=False)
+    @field_validator("n", "stream", "logprobs", "priority", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         """Clients that send null for a field mean its default."""
@@ -241,12 +242,13 @@ def generate_requests(req: CompletionRequest | ChatRequest, card: ModelCard,
     prompts = [_chat_messages(req.messages)] if chat else _prompts(req, card)
     check_field(req.n >= 1 and len(prompts) * req.n <= MAX_CHOICES, "n",
                 f">= 1, with n x prompts at most {MAX_CHOICES}", req.n)
+    check_field(-2**31 <= req.priority < 2**31, "priority", "an int32", req.priority)
     sampling = sampling_params_to_proto(kwargs)
     requests = []
     for p, prompt in enumerate(prompts):
         for j in range(req.n):
             request = pb.GenerateRequest(request_id=f"{request_id}-{p * req.n + j}",
-                                         sampling=sampling)
+                                         sampling=sampling, priority=req.priority)
             if isinstance(prompt, pb.ChatMessages):
                 request.messages.CopyFrom(prompt)
             elif isinstance(prompt, str):

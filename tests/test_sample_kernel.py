@@ -126,6 +126,16 @@ def _main() -> None:
         for dtype in (torch.bfloat16, torch.float16):
             check(logits[:16].to(dtype), temps[:16], seeds[:16], steps[:16], f"{dtype}",
                   block=64, num_splits=2)
+        # A token bitmask (structured output) read by the kernel equals -inf where its bits
+        # are clear; rows of all ones change nothing, a row of zeros gives 0.
+        from models.layers.sampler import apply_token_bitmask
+
+        bits = torch.randint(-2**31, 2**31 - 1, (32, 19), generator=gen, dtype=torch.int32)
+        bits[0], bits[1] = -1, 0
+        got = race_argmax(logits, temps, seeds, steps, block=64, num_splits=3, bitmask=bits)
+        ref, near = race_reference(apply_token_bitmask(logits, bits), temps, seeds, steps)
+        assert_tokens_match(got, ref, near, "bitmask")
+        assert got[1].item() == 0
 
     def check_launches():
         logits, temps, seeds, steps = _inputs(6, 333, gen)

@@ -73,9 +73,9 @@ def _race_noise(counter, LIBDEVICE: tl.constexpr):
 @triton.jit(do_not_specialize=["vocab_size", "vocab_offset", "stride_row", "chunk",
                                "num_splits"])
 def _race_partial_kernel(
-    logits_ptr, temps_ptr, seeds_ptr, steps_ptr, part_val_ptr, part_idx_ptr,
-    vocab_size, vocab_offset, stride_row, chunk, num_splits,
-    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    logits_ptr, temps_ptr, seeds_ptr, steps_ptr, part_val_ptr, part_idx_ptr, mask_ptr,
+    vocab_size, vocab_offset, stride_row, stride_mask, chunk, num_splits,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -105,6 +105,9 @@ def _race_partial_kernel(
         offs = tile + lanes  # [BLOCK] int32 local column indices
         in_row = offs < end
         x = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:  # token v may be drawn iff bit v % 32 of word v // 32 is set
+            words = tl.load(mask_ptr + row * stride_mask + (offs >> 5), mask=in_row, other=0)
+            x = tl.where(((words >> (offs & 31)) & 1) != 0, x, float("-inf"))
         if temp > 0:
             noise = log_e
             # The next tile's noise while this tile's load is in flight (none past the end).
@@ -154,12 +157,15 @@ def _num_sms(device: torch.device) -> int:
 
 def race_partials(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                   steps: torch.Tensor, *, vocab_offset: int = 0, num_splits: int | None = None,
-                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int = BLOCK, bitmask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each vocab chunk's race winner: (part_val float32 [B, S], part_idx int32 [B, S]).
 
     logits [B, V] hold the global columns [vocab_offset, vocab_offset + V); temperatures
-    float32 [B] (0 = greedy); seeds, steps int64 [B]. A partial is the chunk's best value and
-    global index, (-inf, NO_INDEX) if nothing is above -inf. No host sync.
+    float32 [B] (0 = greedy); seeds, steps int64 [B]; bitmask int32 [B, ceil(V / 32)] or
+    None: tokens whose bit is clear are never drawn (whole rows only, vocab_offset 0). A
+    partial is the chunk's best value and global index, (-inf, NO_INDEX) if nothing is above
+    -inf. No host sync.
     """
     num_rows, vocab_size = logits.shape
     assert temperatures.shape == seeds.shape == steps.shape == (num_rows,), (
@@ -181,24 +187,30 @@ def race_partials(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     # Per-row values are read at base + row: make them dense (no-ops for the sampler's).
     temperatures = temperatures.to(torch.float32).contiguous()
     seeds, steps = seeds.contiguous(), steps.contiguous()
+    if bitmask is not None:
+        assert vocab_offset == 0 and bitmask.dtype == torch.int32 and bitmask.shape == (
+            num_rows, triton.cdiv(vocab_size, 32)), "bitmask: int32 [B, ceil(V / 32)]"
     # Chunks are whole tiles so only the row's last tile is ragged.
     chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block) * block
     _race_partial_kernel[(num_rows, num_splits)](
         logits, temperatures, seeds, steps, part_val, part_idx,
-        vocab_size, vocab_offset, logits.stride(0), chunk, num_splits,
-        BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS,
+        bitmask if bitmask is not None else part_idx,  # never read without HAS_MASK
+        vocab_size, vocab_offset, logits.stride(0),
+        bitmask.stride(0) if bitmask is not None else 0, chunk, num_splits,
+        BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret,
+        HAS_MASK=bitmask is not None, num_warps=NUM_WARPS,
     )
     return part_val, part_idx
 
 
 def race_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                 steps: torch.Tensor, *, vocab_offset: int = 0, num_splits: int | None = None,
-                block: int = BLOCK) -> torch.Tensor:
+                block: int = BLOCK, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [B]: `race_perturbed(logits / T, seeds, steps).argmax(-1)` for T > 0 rows,
     `logits.argmax(-1)` for T = 0, with nothing [B, V] built (arguments: race_partials)."""
     part_val, part_idx = race_partials(logits, temperatures, seeds, steps,
                                        vocab_offset=vocab_offset, num_splits=num_splits,
-                                       block=block)
+                                       block=block, bitmask=bitmask)
     num_rows, num_splits = part_val.shape
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:

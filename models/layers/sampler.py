@@ -109,12 +109,18 @@ class SamplingTensors:
     any_penalty: bool = False
 
     @property
+    def edits_logits(self) -> bool:
+        """Something other than temperature and a token mask shapes the draws, or logprobs
+        are wanted: the sampler works on a float32 copy of the logits."""
+        return (self.any_penalty or self.suppress_token_ids is not None or self.any_top_k
+                or self.any_top_p or self.any_min_p or self.max_num_logprobs >= 0
+                or self.logit_bias is not None)
+
+    @property
     def temperature_only(self) -> bool:
         """Only temperature shapes the draws and no logprobs are wanted, so vocab shards can
         each take the argmax over their own columns (`Sampler.sample_shard`)."""
-        return not (self.any_penalty or self.suppress_token_ids is not None or self.any_top_k
-                    or self.any_top_p or self.any_min_p or self.max_num_logprobs >= 0
-                    or self.logit_bias is not None or self.any_token_mask)
+        return not (self.edits_logits or self.any_token_mask)
 
     @classmethod
     def build(
@@ -265,12 +271,12 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None  # asked every step: cached
 
 
-def _race_argmax(logits: torch.Tensor, t: SamplingTensors, temps: torch.Tensor
-                 ) -> torch.Tensor:
+def _race_argmax(logits: torch.Tensor, t: SamplingTensors, temps: torch.Tensor,
+                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
     # Imported on first CUDA use only: CPU installs may lack triton.
     from models.kernels.sample import race_argmax
 
-    return race_argmax(logits, temps, t.seeds, t.sample_steps)
+    return race_argmax(logits, temps, t.seeds, t.sample_steps, bitmask=bitmask)
 
 
 def _shard_best(logits: torch.Tensor, t: SamplingTensors, vocab_offset: int
@@ -309,6 +315,10 @@ class Sampler(nn.Module):
                 ints = torch.ones(3, num_rows, dtype=torch.int64, device=device)
                 logits = torch.zeros(num_rows, vocab_size, dtype=logits_dtype, device=device)
                 race_argmax(logits, ints[0].float(), ints[1], ints[2])
+                if logits_dtype == dtype:  # structured output's masked draw
+                    mask = torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32,
+                                      device=device)
+                    race_argmax(logits, ints[0].float(), ints[1], ints[2], bitmask=mask)
 
     def _kernel_for(self, logits: torch.Tensor) -> bool:
         """Whether the Triton draw serves these logits (CUDA, triton installed, not off)."""
@@ -316,11 +326,13 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         kernel = self._kernel_for(logits)
-        if kernel and t.temperature_only:
-            # Nothing edits the logits: no float32 copy, read in the model's dtype (exact).
-            if t.all_greedy:
+        if kernel and not t.edits_logits:
+            # Nothing edits the logits: no float32 copy, read in the model's dtype (exact);
+            # the kernel reads a token mask itself.
+            if t.all_greedy and t.token_bitmask is None:
                 return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
-            return SamplerOutput(sampled_token_ids=_race_argmax(logits, t, t.temperatures))
+            return SamplerOutput(sampled_token_ids=_race_argmax(logits, t, t.temperatures,
+                                                                t.token_bitmask))
         logits = logits.float()  # [B, V]
         raw = logits
         if t.any_penalty:

@@ -227,20 +227,24 @@ def _sample_cases() -> list[Any]:
     """The sampler compiles the race for the model dtype and float32 logits (penalised
     logits are float32); vocab sizes and split counts are do_not_specialize."""
     cases = []
-    for dt in ("bf16", "fp32"):
+    # A TP=4 rank's shard of Qwen3's vocab (vocab_offset: rank 1's); masked draws (structured
+    # output) see the whole vocabulary on one rank.
+    shard = dict(vocab_size=37984, vocab_offset=37984, stride_row=37984, stride_mask=0,
+                 chunk=1024, num_splits=38)
+    whole = dict(vocab_size=151936, vocab_offset=0, stride_row=151936, stride_mask=4748,
+                 chunk=4096, num_splits=38)
+    for dt, has_mask, ints in (("bf16", False, shard), ("fp32", False, shard),
+                               ("bf16", True, whole)):
         case = Case(
             kernel=sample._race_partial_kernel,
             pointers={**_ptrs(dt, "logits_ptr"),
                       **_ptrs("fp32", "temps_ptr", "part_val_ptr"),
                       **_ptrs("i64", "seeds_ptr", "steps_ptr"),
-                      **_ptrs("i32", "part_idx_ptr")},
-            constexprs=dict(BLOCK=sample.BLOCK, LIBDEVICE=True),
-            num_warps=sample.NUM_WARPS,
-            # A TP=4 rank's shard of Qwen3's vocab (vocab_offset: rank 1's).
-            ints=dict(vocab_size=37984, vocab_offset=37984, stride_row=37984, chunk=1024,
-                      num_splits=38),
+                      **_ptrs("i32", "part_idx_ptr", "mask_ptr")},
+            constexprs=dict(BLOCK=sample.BLOCK, LIBDEVICE=True, HAS_MASK=has_mask),
+            num_warps=sample.NUM_WARPS, ints=ints,
         )
-        cases.append(pytest.param(case, id=f"sample-race_partial-{dt}"))
+        cases.append(pytest.param(case, id=f"sample-race_partial-{dt}{'-mask' * has_mask}"))
     combine = Case(
         kernel=sample._combine_kernel,
         pointers={**_ptrs("fp32", "part_val_ptr"), **_ptrs("i32", "part_idx_ptr"),

@@ -20,7 +20,11 @@ from engine_service import core_process as core
 from engine_service.common.api_key import api_key_interceptors
 from engine_service.common.http_server import Backend, HttpServer, bind_http, build_app, serve_http
 from engine_service.common.openai_protocol import ModelCard
-from engine_service.common.proto_convert import MAX_PROMPT_BYTES_PER_TOKEN, StatusInterceptor
+from engine_service.common.proto_convert import (
+    MAX_PROMPT_BYTES_PER_TOKEN,
+    MAX_REQUEST_BYTES,
+    StatusInterceptor,
+)
 from engine_service.common.serving_flags import ServingOptions
 from engine_service.common.tls import add_port
 from engine_service.config import EngineConfig
@@ -34,7 +38,6 @@ SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Generation"].full_name,
     pb.DESCRIPTOR.services_by_name["Engine"].full_name,
 )
-GRPC_DEFAULT_MAX_MESSAGE = 4 << 20
 REQUEST_FIELDS_ROOM = 1 << 20  # sampling parameters, chat roles, framing
 
 
@@ -57,9 +60,9 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
                 credentials: grpc.ServerCredentials | None = None,
                 serving: ServingOptions | None = None) -> int:
     serving = serving or ServingOptions()
-    # Room for the largest prompt we accept (refused with INVALID_ARGUMENT past its limit);
-    # grpc refuses anything larger before it is parsed, so a burst of them costs no memory.
-    max_message = max(GRPC_DEFAULT_MAX_MESSAGE,
+    # The router's limit at least, so a prompt too large for this model is refused here with
+    # INVALID_ARGUMENT naming its limit; grpc refuses anything larger before it is parsed.
+    max_message = max(MAX_REQUEST_BYTES,
                       config.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN + REQUEST_FIELDS_ROOM)
     server = grpc.aio.server(interceptors=[*api_key_interceptors(serving.api_key),
                                            StatusInterceptor()],

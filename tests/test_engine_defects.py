@@ -185,14 +185,14 @@ def test_prompt_byte_limit_names_field_and_limit():
 
 
 def test_prompts_past_grpcs_default_size_are_invalid_argument_naming_the_limit(stub):
-    # 3 MB each, under the engine's 4 MiB message limit: refused naming the prompt's limit
+    # 5 MB each, past grpc's 4 MiB default: the engine reads them and names its own limit
     for request, message in (
-            (_request("a" * (3 << 20), max_tokens=1),
+            (_request("a" * (5 << 20), max_tokens=1),
              f"text must be at most 16384 bytes (32 per token of max_model_len 512), "
-             f"got {3 << 20}"),
-            (_request([1000] * 1_500_000, max_tokens=1),  # 2 bytes an id on the wire
+             f"got {5 << 20}"),
+            (_request([1000] * 2_500_000, max_tokens=1),  # 2 bytes an id on the wire
              "prompt must be at most max_model_len - 1 = 511 tokens (room for one output "
-             "token), got 1500000")):
+             "token), got 2500000")):
         for call in (stub.Generate, lambda r, **kw: list(stub.Stream(r, **kw))):
             with pytest.raises(grpc.RpcError) as err:
                 call(request, timeout=30)

@@ -100,13 +100,14 @@ class LLMEngine:
                     sampling_params: SamplingParams, priority: int = 0) -> Sequence:
         validate_prompt(prompt_token_ids, self.config.max_model_len, self.vocab_size)
         validate_token_controls(sampling_params, self.vocab_size)
-        self.structured.check(sampling_params)
+        grammar = self.structured.check(sampling_params)
         if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request_id must be unique among requests in flight, "
                              f"got duplicate {request_id!r}")
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params, priority=priority)
         if sampling_params.constraint is not None or sampling_params.allowed_token_ids:
-            self._compiling[request_id] = (seq, self.structured.submit(sampling_params))
+            future = self.structured.submit(sampling_params, grammar)
+            self._compiling[request_id] = (seq, future)
         else:
             self.scheduler.add(seq)
         return seq

@@ -69,19 +69,6 @@ def _parse(kind: str, value) -> xgr.Grammar:
     return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
 
 
-def check_constraint(params: SamplingParams) -> None:
-    """ValueError naming the field and quoting the compiler when the constraint does not
-    parse; cheap (no tokenizer), so it runs before the request is accepted."""
-    if params.constraint is None:
-        return
-    kind, value = params.constraint
-    try:
-        _parse(kind, value)
-    except Exception as e:  # xgrammar raises RuntimeError and its own error types
-        message = _SOURCE_PREFIX.sub("", str(e)).strip()
-        raise ValueError(f"{kind} does not compile: {message}") from None
-
-
 def allowed_bitmask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
     """int32 [ceil(vocab_size / 32)]: bit t % 32 of word t // 32 set for each allowed id."""
     words = torch.zeros(-(-vocab_size // 32), dtype=torch.int64)
@@ -122,36 +109,35 @@ class StructuredOutput:
         self.fill_seconds = 0.0  # host time in fill_bitmask, and its calls (benchmarks read)
         self.num_fills = 0
 
-    def check(self, params: SamplingParams) -> None:
-        """ValueError for a constraint this engine cannot serve."""
-        if params.constraint is not None and not (
-                Path(self.model_dir, "tokenizer.json").exists()
+    def check(self, params: SamplingParams) -> xgr.Grammar | None:
+        """The request's constraint parsed (cheap: no tokenizer, so it runs before the request
+        is accepted), or None. ValueError naming the field and quoting the compiler when it
+        does not parse, or when this engine has no tokenizer to compile it with."""
+        if params.constraint is None:
+            return None
+        kind, value = params.constraint
+        if not (Path(self.model_dir, "tokenizer.json").exists()
                 or Path(self.model_dir, "tokenizer_config.json").exists()):
-            raise ValueError(f"{params.constraint[0]} needs the model's tokenizer, which "
-                             f"{self.model_dir} lacks")
-        check_constraint(params)
+            raise ValueError(f"{kind} needs the model's tokenizer, which {self.model_dir} lacks")
+        try:
+            return _parse(kind, value)
+        except Exception as e:  # xgrammar raises RuntimeError and its own error types
+            message = _SOURCE_PREFIX.sub("", str(e)).strip()
+            raise ValueError(f"{kind} does not compile: {message}") from None
 
-    def submit(self, params: SamplingParams) -> Future[TokenConstraint]:
-        """The request's TokenConstraint, built on the compile thread."""
-        return self._executor.submit(self.build, params)
+    def submit(self, params: SamplingParams, grammar: xgr.Grammar | None
+               ) -> Future[TokenConstraint]:
+        """The request's TokenConstraint (from `check`'s grammar), built on the compile
+        thread."""
+        return self._executor.submit(self.build, params, grammar)
 
-    def build(self, params: SamplingParams) -> TokenConstraint:
+    def build(self, params: SamplingParams, grammar: xgr.Grammar | None) -> TokenConstraint:
         allowed = (allowed_bitmask(params.allowed_token_ids, self.vocab_size)
                    if params.allowed_token_ids else None)
-        if params.constraint is None:
+        if grammar is None:
             return TokenConstraint(None, allowed)
-        return TokenConstraint(xgr.GrammarMatcher(self._compile(*params.constraint)), allowed)
-
-    def _compile(self, kind: str, value) -> xgr.CompiledGrammar:
         compiler = self._compiler or self._make_compiler()
-        if kind in ("json_schema", "json_object"):
-            text = json_schema_text(value) if kind == "json_schema" else JSON_OBJECT_SCHEMA
-            return compiler.compile_json_schema(text, any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(value)
-        if kind == "grammar":
-            return compiler.compile_grammar(value)
-        return compiler.compile_grammar(choice_grammar(value))
+        return TokenConstraint(xgr.GrammarMatcher(compiler.compile_grammar(grammar)), allowed)
 
     def _make_compiler(self) -> xgr.GrammarCompiler:
         from transformers import AutoTokenizer  # slow to import: only once a grammar comes
@@ -176,12 +162,13 @@ class StructuredOutput:
 
     def fill_bitmask(self, rows: list[ScheduledSeq]) -> torch.Tensor:
         """int32 [len(rows), W] on the host: each row's allowed next tokens, all for rows
-        without a constraint. The matchers fill theirs on xgrammar's threads."""
+        without a constraint. The matchers fill theirs in one xgrammar call."""
         t0 = time.perf_counter()
         bitmask = torch.full((len(rows), -(-self.vocab_size // 32)), -1, dtype=torch.int32,
                              pin_memory=self.pin_memory)
         matchers: list[xgr.GrammarMatcher] = []
         indices: list[int] = []
+        allowed: list[tuple[int, torch.Tensor]] = []
         for i, item in enumerate(rows):
             c = item.seq.constraint
             if c is None or item.seq.is_finished:
@@ -189,12 +176,12 @@ class StructuredOutput:
             if c.matcher is not None:
                 matchers.append(c.matcher)
                 indices.append(i)
+            if c.allowed is not None:
+                allowed.append((i, c.allowed))
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
-        for i, item in enumerate(rows):
-            c = item.seq.constraint
-            if c is not None and c.allowed is not None:
-                bitmask[i] &= c.allowed
+        for i, words in allowed:
+            bitmask[i] &= words
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask

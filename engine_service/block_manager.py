@@ -71,14 +71,17 @@ class BlockManager:
         _, _, take = self._plan(seq, num_new_tokens)
         return take <= len(self.free_blocks)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Make seq.block_table cover num_computed_tokens + num_new_tokens (after cache hits
-        for a sequence without blocks). Raises RuntimeError, changing nothing, if it cannot."""
-        hits, computed, take = self._plan(seq, num_new_tokens)
+    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int = 0
+                 ) -> None:
+        """Make seq.block_table cover num_computed_tokens + num_new_tokens, plus
+        `num_lookahead_tokens` proposed tokens past its last one (after cache hits for a
+        sequence without blocks). Raises RuntimeError, changing nothing, if it cannot."""
+        hits, computed, take = self._plan(seq, num_new_tokens + num_lookahead_tokens)
         total = seq.num_tokens + seq.num_pending_tokens
         if num_new_tokens < 1 or computed + num_new_tokens > total:
             raise ValueError(f"cannot allocate {num_new_tokens} new tokens for {seq.seq_id!r}: "
                              f"{computed} of its {total} tokens are computed")
+        num_new_tokens += num_lookahead_tokens
         if take > len(self.free_blocks):
             raise RuntimeError(f"not enough free KV blocks for {num_new_tokens} tokens of "
                                f"{seq.seq_id!r} ({len(self.free_blocks)} free)")
@@ -133,6 +136,17 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
+
+    def rollback(self, seq: Sequence) -> None:
+        """Free the tail blocks that hold none of seq's computed tokens (taken for proposed
+        tokens that were rejected): fresh and unhashed, so first in line for reuse."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=False)
 
     def take_events(self) -> list[KvEvent]:
         events, self._events = self._events, []

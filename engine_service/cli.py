@@ -17,6 +17,7 @@ from engine_service.config import (
     DTYPES,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     EngineConfig,
 )
 
@@ -58,6 +59,22 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
     add("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
         help="fcfs: arrival order; priority: lower request priority first, then arrival "
              "(a more urgent request may preempt less urgent running ones)")
+    add("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+        help="speculative decoding: ngram (prompt lookup) or draft (a smaller model's "
+             "proposals); verified by the model, so outputs do not change")
+    add("--num-speculative-tokens", type=int, default=None, metavar="K",
+        help="tokens proposed per step (with --speculative-method)")
+    add("--prompt-lookup-min", type=int, default=None, metavar="N",
+        help="ngram: shortest suffix looked up in the prompt and output (default: "
+             "--prompt-lookup-max, else 5)")
+    add("--prompt-lookup-max", type=int, default=None, metavar="N",
+        help="ngram: longest suffix looked up (default: max(--prompt-lookup-min, 5))")
+    add("--speculative-model", default=None, metavar="DIR",
+        help="draft: model directory with the same vocabulary; its KV cache shares the "
+             "target's blocks")
+    add("--speculative-disable-by-batch-size", type=int,
+        default=d.speculative_disable_by_batch_size, metavar="N",
+        help="speculate only while at most N requests run")
     add("--max-waiting-requests", type=int, default=d.max_waiting_requests, metavar="N",
         help="requests queued beyond --max-num-seqs before RESOURCE_EXHAUSTED")
     add("--core-watchdog-timeout", type=float, default=d.core_watchdog_timeout, metavar="S",
@@ -80,6 +97,11 @@ def engine_config_from_args(args: argparse.Namespace):
         async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, load_format=args.load_format,
         scheduling_policy=args.scheduling_policy,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        speculative_model=args.speculative_model,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         max_waiting_requests=args.max_waiting_requests,
         core_watchdog_timeout=args.core_watchdog_timeout, seed=args.seed)
 

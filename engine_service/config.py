@@ -13,6 +13,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("ngram", "draft")
+# Prompt lookup's n-gram sizes when neither bound is given (vLLM's default).
+DEFAULT_PROMPT_LOOKUP = 5
 
 
 def cpu_threads(ranks: int = 1) -> int:
@@ -46,6 +49,16 @@ class EngineConfig:
     # fcfs: arrival order; priority: lower GenerateRequest.priority first, then arrival.
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 1024
+    # Speculative decoding (off when None): proposals of ngram (prompt lookup) or of a
+    # smaller draft model, verified by the target in the batched step.
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix to match
+    prompt_lookup_max: int | None = None  # ngram: longest suffix to match
+    speculative_model: str | None = None  # draft: a model directory with the same vocabulary
+    # A step speculates only while at most this many requests run: past it the batch is
+    # compute-bound and verifying proposals costs more than it gains.
+    speculative_disable_by_batch_size: int = 32
     # Seconds the core may send nothing while requests are in flight before the engine
     # reports NOT_SERVING (a hung or stopped core process).
     core_watchdog_timeout: float = 10.0
@@ -87,12 +100,55 @@ class EngineConfig:
                     self.max_waiting_requests)
         check_field(self.core_watchdog_timeout > 0, "core_watchdog_timeout", "> 0",
                     self.core_watchdog_timeout)
+        self._check_speculative()
         if self.num_kv_blocks is not None:
             # One sequence of max_model_len tokens must fit, or it could never finish.
             need = self.max_blocks_per_seq
             check_field(self.num_kv_blocks >= need, "num_kv_blocks",
                         f">= {need} (max_model_len={self.max_model_len} / "
                         f"kv_block_size={self.kv_block_size}, rounded up)", self.num_kv_blocks)
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        if method is None:
+            for name in ("num_speculative_tokens", "speculative_model", "prompt_lookup_min",
+                         "prompt_lookup_max"):
+                check_field(getattr(self, name) is None, name,
+                            "unset unless speculative_method is set", getattr(self, name))
+            return
+        check_field(method in SPECULATIVE_METHODS, "speculative_method",
+                    f"one of {SPECULATIVE_METHODS}", method)
+        k = self.num_speculative_tokens
+        check_field(k is not None and 1 <= k <= 16, "num_speculative_tokens",
+                    "in [1, 16] with a speculative_method", k)
+        check_field(self.speculative_disable_by_batch_size >= 1,
+                    "speculative_disable_by_batch_size", ">= 1",
+                    self.speculative_disable_by_batch_size)
+        if method == "ngram":
+            check_field(self.speculative_model is None, "speculative_model",
+                        "unset with speculative_method='ngram'", self.speculative_model)
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo = lo if lo is not None else (hi if hi is not None else DEFAULT_PROMPT_LOOKUP)
+            hi = hi if hi is not None else max(lo, DEFAULT_PROMPT_LOOKUP)
+            check_field(lo >= 1, "prompt_lookup_min", ">= 1", lo)
+            check_field(hi >= lo, "prompt_lookup_max", f">= prompt_lookup_min ({lo})", hi)
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+            return
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            check_field(getattr(self, name) is None, name,
+                        "unset with speculative_method='draft'", getattr(self, name))
+        draft = self.speculative_model
+        check_field(draft is not None and os.path.isfile(os.path.join(draft, "config.json")),
+                    "speculative_model", "a model directory with a config.json when "
+                    "speculative_method='draft'", draft)
+        check_field(self.tensor_parallel_size == 1, "tensor_parallel_size",
+                    "1 with speculative_method='draft' (the draft model is not sharded)",
+                    self.tensor_parallel_size)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Proposed tokens a decode row may carry: KV slots beyond its last token."""
+        return self.num_speculative_tokens or 0
 
     @property
     def max_blocks_per_seq(self) -> int:

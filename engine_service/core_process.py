@@ -6,7 +6,8 @@ multiprocessing pipes (one reader and one writer on each end, so no locking):
 
   frontend -> core: AddRequest | AbortRequest | Shutdown
   core -> frontend: CoreReady (once, after the model loaded) | CoreFailed | StepOutputs
-                    (per step: request outputs, KV events, load, admissions) | AddRejected
+                    (per step: request outputs, KV events, load, admissions, speculative-
+                    decoding counts) | AddRejected
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine_service.common.sampling_params import SamplingParams
 from engine_service.config import EngineConfig, cpu_threads
 from engine_service.engine import RequestOutput
 from engine_service.sequence import Sequence, SequenceStatus
+from engine_service.spec_decode.speculator import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.5
@@ -65,6 +67,9 @@ class CoreReady:
     model_info: dict
     cached_block_hashes: list[int]
     load: LoadSnapshot
+    # K when the engine speculates (None: off), so the frontend creates the per-position
+    # series up front, as vLLM does, rather than at the first draft.
+    num_speculative_tokens: int | None = None
 
 
 @dataclass
@@ -93,6 +98,7 @@ class StepOutputs:
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     aborted: list[str] = field(default_factory=list)
     admitted: list[Admitted] = field(default_factory=list)
+    spec_decode: SpecDecodeStats | None = None  # counts of this step's verify rows, if any
 
 
 def _load(engine) -> LoadSnapshot:
@@ -121,7 +127,8 @@ def run_core(config: EngineConfig, requests: Connection, outputs: Connection) ->
     except Exception:
         outputs.send(CoreFailed(traceback.format_exc()))
         return
-    outputs.send(CoreReady(engine.model_info(), engine.cached_block_hashes(), _load(engine)))
+    k = engine.speculator.k if engine.speculator is not None else None
+    outputs.send(CoreReady(engine.model_info(), engine.cached_block_hashes(), _load(engine), k))
     try:
         _loop(engine, requests, outputs)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
@@ -145,6 +152,15 @@ def _take_admitted(queued: dict[str, tuple[Sequence, float]],
             admitted.append(Admitted(scheduled_at - added, seq.num_prompt_tokens,
                                      seq.num_cached_tokens))
     return admitted
+
+
+def _take_spec_stats(engine) -> SpecDecodeStats | None:
+    """The speculator's counts since the last call; None when it verified no draft since
+    (speculation off, or no row had proposals), so such a message carries nothing more."""
+    speculator = engine.speculator
+    if speculator is None or not speculator.stats.num_drafts:
+        return None
+    return speculator.take_stats()
 
 
 def _loop(engine, requests: Connection, outputs: Connection) -> None:
@@ -178,8 +194,10 @@ def _loop(engine, requests: Connection, outputs: Connection) -> None:
         step_outputs = engine.step() if stepped else []
         admitted = _take_admitted(queued, scheduled_at) if queued else []
         events = engine.take_kv_events()
+        spec = _take_spec_stats(engine)
         now = time.monotonic()
-        if step_outputs or events or aborted or changed or admitted or (
+        if step_outputs or events or aborted or changed or admitted or spec is not None or (
                 stepped and now - last_sent >= HEARTBEAT_SECONDS):
-            outputs.send(StepOutputs(step_outputs, events, _load(engine), aborted, admitted))
+            outputs.send(StepOutputs(step_outputs, events, _load(engine), aborted, admitted,
+                                     spec))
             last_sent = now

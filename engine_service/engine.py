@@ -21,6 +21,7 @@ from engine_service.common.sampling_params import (
 from engine_service.config import EngineConfig
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence
+from engine_service.spec_decode.speculator import make_speculator
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +85,7 @@ class LLMEngine:
         self.total_stats = StepStats(num_steps=0)  # since start; benchmarks reset it
         self._async = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.speculator = make_speculator(config, self.model_runner)
         self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids,
                                            pin_memory=self.model_runner.device.type == "cuda")
         # Requests whose constraint is compiling; they join the scheduler once it is built.
@@ -152,11 +154,15 @@ class LLMEngine:
         the forward pass (unless a penalty needs a pending token on the host)."""
         t0 = time.perf_counter()
         self._outputs, self._read_back = [], []
-        if self._in_flight is not None and not self._can_overlap():
+        speculate = self.speculator is not None and \
+            self.speculator.active(self.scheduler.num_running)
+        # Proposals need each row's last token on the host, and a verify step's accepted
+        # count decides the next step's positions: neither overlaps the step in flight.
+        if self._in_flight is not None and (speculate or not self._can_overlap()):
             self._land_in_flight()
         if self._compiling:
             self._admit_compiled()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.speculator if speculate else None)
         launched = None
         if not sched.is_empty:
             if self._async:
@@ -194,11 +200,16 @@ class LLMEngine:
         return self.structured.fill_bitmask(rows)
 
     def _can_overlap(self) -> bool:
-        """A penalty reads a row's whole output history, pending token included."""
-        return not any(s.num_pending_tokens and s.sampling_params.uses_penalties
-                       for s in self.scheduler.running)
+        """A penalty reads a row's whole output history, pending token included; a verify
+        step's rows learn only on the host how many tokens they took."""
+        assert self._in_flight is not None
+        return not self._in_flight[0].is_speculative and not any(
+            s.num_pending_tokens and s.sampling_params.uses_penalties
+            for s in self.scheduler.running)
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        if result.accepted is not None:
+            return self._postprocess_verify(sched, result)
         finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids)}
         outputs = []
         constrained: list[tuple[Sequence, int, RequestOutput]] = []
@@ -216,6 +227,32 @@ class LLMEngine:
             outputs.append(out)
             if seq.constraint is not None and token is not None:
                 constrained.append((seq, token, out))
+        if constrained:
+            self._advance_constraints(constrained)
+        return outputs
+
+    def _postprocess_verify(self, sched: SchedulerOutput, result: StepResult
+                            ) -> list[RequestOutput]:
+        """A speculative step: a row adds every token it kept (cut at a stop). No row has a
+        constraint: the speculator proposes nothing for one, so it samples one token."""
+        accepted, accepted_lp = result.accepted, result.accepted_logprobs
+        assert accepted is not None and accepted_lp is not None and self.speculator is not None
+        self.speculator.record(sched, accepted)
+        finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids,
+                                                                 accepted)}
+        outputs = []
+        constrained: list[tuple[Sequence, int, RequestOutput]] = []
+        for item, tokens, lps in zip(sched.scheduled, accepted, accepted_lp, strict=True):
+            seq = item.seq
+            done = seq.seq_id in finished
+            if not done and (not tokens or seq.is_finished):
+                continue
+            out = RequestOutput(seq.seq_id, tokens, lps[:len(tokens)], done, seq.finish_reason,
+                                seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                                seq.num_output_tokens)
+            outputs.append(out)
+            if seq.constraint is not None and tokens:
+                constrained.append((seq, tokens[0], out))
         if constrained:
             self._advance_constraints(constrained)
         return outputs

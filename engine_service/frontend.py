@@ -133,6 +133,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             self.load = msg.load
             self.metrics.observe_load(msg.load)
             self.metrics.observe_admitted(msg.admitted)
+            if msg.spec_decode is not None:
+                self.metrics.observe_spec_decode(msg.spec_decode)
             now = time.perf_counter()
             for out in msg.outputs:
                 state = self.registry.get(out.request_id)
@@ -152,6 +154,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         elif isinstance(msg, core.CoreReady):
             self.model_info = msg.model_info
             self.load = msg.load
+            if msg.num_speculative_tokens is not None:
+                self.metrics.enable_spec_decode(msg.num_speculative_tokens)
             if msg.cached_block_hashes:
                 self._publish_kv_event("stored", msg.cached_block_hashes)
             self.ready.set()

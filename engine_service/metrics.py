@@ -4,9 +4,14 @@ Only what vLLM has no name for carries a `nanoserve_engine_` name."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine_service.common.listen import serve_metrics
+
+if TYPE_CHECKING:
+    from engine_service.spec_decode.speculator import SpecDecodeStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms aggregate with a vLLM fleet's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -61,6 +66,18 @@ class EngineMetrics:
                                ["model_name", "code"], registry=self.registry)
         self.core_stalled = one(Gauge, "nanoserve_engine_core_stalled",
                                 "1 while the core watchdog holds the engine NOT_SERVING")
+        self.spec_decode: SpecDecodeMetrics | None = None  # enable_spec_decode() creates it
+
+    def enable_spec_decode(self, num_speculative_tokens: int) -> SpecDecodeMetrics:
+        """The speculative-decoding series, created once and only for an engine that
+        speculates (as vLLM: an engine without speculation exports none)."""
+        if self.spec_decode is None:
+            self.spec_decode = SpecDecodeMetrics(self.registry, self.model_name,
+                                                 num_speculative_tokens)
+        return self.spec_decode
+
+    def observe_spec_decode(self, stats: SpecDecodeStats) -> None:
+        self.enable_spec_decode(len(stats.accepted_per_pos)).observe(stats)
 
     def error(self, code_name: str) -> None:
         self._errors.labels(self.model_name, code_name).inc()
@@ -80,3 +97,35 @@ class EngineMetrics:
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         serve_metrics(self.registry, host, port)
+
+
+class SpecDecodeMetrics:
+    """vLLM's spec_decode counters (vllm/v1/spec_decode/metrics.py). Acceptance rate:
+    rate(num_accepted_tokens) / rate(num_draft_tokens); mean acceptance length:
+    1 + rate(num_accepted_tokens) / rate(num_drafts); acceptance rate at position i:
+    rate(num_accepted_tokens_per_pos{position=i}) / rate(num_drafts)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, k: int) -> None:
+        def one(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.num_drafts = one("vllm:spec_decode_num_drafts",
+                              "Speculative drafts verified: decode rows that carried proposals")
+        self.num_draft_tokens = one("vllm:spec_decode_num_draft_tokens",
+                                    "Proposed tokens verified by the model")
+        self.num_accepted_tokens = one("vllm:spec_decode_num_accepted_tokens",
+                                       "Proposed tokens the model kept (its bonus token not "
+                                       "counted)")
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Drafts whose proposal at 0-based `position` was kept (so every "
+                          "proposal before it was too); divided by vllm:spec_decode_num_drafts: "
+                          "the acceptance rate at that position",
+                          ["model_name", "position"], registry=registry)
+        self.accepted_per_pos = [per_pos.labels(model_name, str(i)) for i in range(k)]
+
+    def observe(self, stats: SpecDecodeStats) -> None:
+        self.num_drafts.inc(stats.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for counter, n in zip(self.accepted_per_pos, stats.accepted_per_pos, strict=True):
+            counter.inc(n)

@@ -15,15 +15,16 @@ import torch.distributed as dist
 
 from engine_service.config import EngineConfig
 from engine_service.scheduler import ScheduledSeq
+from engine_service.spec_decode.draft_proposer import DraftProposer
 from engine_service.tp_worker import agree_on_num_kv_blocks, start_tensor_parallel
 from models.attention_metadata import BlockTableCache, make_attention_metadata
 from models.backends import get_attention_backend
 from models.config import ModelConfig
 from models.host_copy import to_device
+from models.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from models.layers.sampler import Sampler, SamplerOutput, SamplingTensors
-from models.loader import init_dummy_weights, load_weights
 from models.parallel import close_fast_all_reduce, init_fast_all_reduce
-from models.registry import get_model_class
+from models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ class StepResult:
 
     token_ids: list[int | None]
     logprobs: list[tuple[float, list[int], list[float]] | None]
+    # A speculative step: per row, the tokens it adds (the target's draws while they match
+    # the proposals, then its first differing draw) and their logprobs.
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[tuple[float, list[int], list[float]] | None]] | None = None
 
 
 class LaunchedStep:
@@ -96,6 +101,8 @@ class LaunchedStep:
         if not self._host:
             return StepResult([None] * len(batch), [None] * len(batch))
         sampled = self._host["sampled"].tolist()
+        if self.speculative:
+            return self._verify(sampled)
         if len(sampled) == len(batch) and "logprobs" not in self._host:
             return StepResult(sampled, [None] * len(batch))  # every row sampled
         rows = [item for item in batch if item.sample]
@@ -104,14 +111,50 @@ class LaunchedStep:
         pairs = [next(it) if item.sample else (None, None) for item in batch]
         return StepResult([t for t, _ in pairs], [p for _, p in pairs])
 
+    @property
+    def speculative(self) -> bool:
+        return any(item.spec_token_ids for item in self.batch)
+
+    def _verify(self, sampled: list[int]) -> StepResult:
+        """Each verify row keeps the target's draws while they equal the proposals, then
+        its first differing draw (or the draw after the last proposal). The draws are the
+        ones decoding without speculation makes, from the same seeds and steps, so this
+        is lossless: for a proposal x the target draws x with probability p(x), and a
+        rejection leaves p with x taken out, renormalised."""
+        rows = [item for item in self.batch if item.sample]
+        lp = self._logprobs(rows) if "logprobs" in self._host else [None] * len(sampled)
+        accepted: list[list[int]] = []
+        accepted_lp: list[list] = []
+        pos = 0
+        for item in self.batch:
+            if not item.sample:
+                accepted.append([])
+                accepted_lp.append([])
+                continue
+            spec = item.spec_token_ids
+            n = 1
+            while n <= len(spec) and sampled[pos + n - 1] == spec[n - 1]:
+                n += 1
+            accepted.append(sampled[pos:pos + n])
+            accepted_lp.append(lp[pos:pos + n])
+            pos += len(spec) + 1
+        firsts = [tokens[0] if tokens else None for tokens in accepted]
+        return StepResult(firsts, [p[0] if p else None for p in accepted_lp], accepted,
+                          accepted_lp)
+
     def _logprobs(self, rows: list[ScheduledSeq]) -> list:
+        """One entry per draw (a verify row has several), None where not asked for."""
         chosen = self._host["logprobs"].tolist()
         top_ids = self._host["top_ids"].tolist()
         top_lp = self._host["top_lp"].tolist()
         result = []
-        for r, item in enumerate(rows):
+        r = 0
+        for item in rows:
             n = item.seq.sampling_params.logprobs
-            result.append(None if n is None else (chosen[r], top_ids[r][:n], top_lp[r][:n]))
+            for _ in range(item.num_samples):
+                result.append(None if n is None else (chosen[r], top_ids[r][:n],
+                                                      top_lp[r][:n]))
+                r += 1
         return result
 
 
@@ -158,20 +201,10 @@ class ModelRunner:
         self.block_size = config.kv_block_size
         self.backend = get_attention_backend(config.attention_backend, self.device)
 
-        torch.manual_seed(config.seed)
-        with torch.device(self.device):
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
-            try:
-                self.model = get_model_class(self.model_config)(self.model_config,
-                                                                  self.backend)
-            finally:
-                torch.set_default_dtype(prev)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-        else:
-            load_weights(self.model, config.model)
-        self.model.eval()
+        self.model = build_model(self.model_config, config.model, self.backend, self.device,
+                                 self.dtype, config.seed, config.load_format)
+        # Speculative decoding's draft model: its KV cache shares the target's block ids.
+        self.drafter = DraftProposer(self) if config.speculative_method == "draft" else None
         self.sampler = Sampler()
         self._copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                              else None)  # sampled tokens to the host, off the compute stream
@@ -206,16 +239,10 @@ class ModelRunner:
             self.tp.check_alive()
 
     @property
-    def kv_block_shape(self) -> tuple[int, int, int]:
-        """(block_size, this rank's KV heads, head_dim)."""
-        attn = self.model.attention_layers()[0]
-        return self.block_size, attn.num_kv_heads, attn.head_dim
-
-    @property
     def kv_bytes_per_block(self) -> int:
-        block_size, kv_heads, head_dim = self.kv_block_shape
-        return (2 * self.model_config.num_hidden_layers * block_size * kv_heads * head_dim
-                * self.dtype.itemsize)
+        """KV bytes of one block id: the target's, plus the draft model's where one runs."""
+        draft = self.drafter.kv_bytes_per_block if self.drafter is not None else 0
+        return kv_bytes_per_block(self.model, self.block_size, self.dtype) + draft
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -293,13 +320,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        cache = torch.zeros(self.model_config.num_hidden_layers, 2, num_blocks,
-                            *self.kv_block_shape, dtype=self.dtype, device=self.device)
-        for layer, attn in enumerate(self.model.attention_layers()):
-            attn.kv_cache = cache[layer]
+        cache = allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype,
+                                  self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    cache.numel() * cache.element_size() / 2**20)
+                    num_blocks * self.kv_bytes_per_block / 2**20)
         return cache
 
     def prepare_inputs(self, batch: list[ScheduledSeq]):
@@ -313,16 +339,18 @@ class ModelRunner:
         pending_src: list[int] = []  # its row in the previous step's sampled tokens
         for item in batch:
             seq = item.seq
-            start, end = item.start, item.start + item.num_new_tokens
+            spec = item.spec_token_ids
+            start, end = item.start, item.start + item.num_new_tokens - len(spec)
             known = min(end, len(seq.token_ids))
             input_ids.extend(seq.token_ids[start:known])
             if known < end:
                 pending_dst.append(len(input_ids))
                 pending_src.append(self._pending_row(seq, known, end))
                 input_ids.append(0)
-            positions.extend(range(start, end))
-            if item.sample:
-                logits_indices.append(len(input_ids) - 1)
+            input_ids.extend(spec)
+            positions.extend(range(start, end + len(spec)))
+            if item.sample:  # a verify row samples at its last token and every proposal
+                logits_indices.extend(range(len(input_ids) - 1 - len(spec), len(input_ids)))
         meta = make_attention_metadata(
             [item.num_new_tokens for item in batch],
             [item.start + item.num_new_tokens for item in batch],
@@ -382,33 +410,45 @@ class ModelRunner:
 
     def prepare_sampling(self, rows: list[ScheduledSeq], eos_token_ids: list[int]
                          ) -> SamplingTensors:
+        """One draw per sampled position: a verify row draws at its last token and at each
+        proposal, as if the proposals before that position were its outputs."""
         params: list = []
         seeds: list[int] = []
         steps: list[int] = []
         suppress: list[tuple[int, int]] = []
         bias: list[tuple[int, int, float]] = []
+        histories: list[tuple[object, list[int]]] = []  # (row item, proposals before it)
         any_mask = False
-        for row, item in enumerate(rows):  # one pass: this runs for every row of every step
+        row = 0
+        for item in rows:  # one pass: this runs for every row of every step
             seq = item.seq
             sp = seq.sampling_params
-            step = item.output_index
-            params.append(sp)
-            seeds.append(seq.seed)
-            steps.append(step)
             constraint = seq.constraint
             if constraint is not None:
                 any_mask = True
             # A grammar decides when its stop token may come; min_tokens yields to it.
-            if step < sp.min_tokens and (constraint is None or constraint.matcher is None):
-                banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
-                suppress.extend((row, t) for t in banned if t < self.vocab_size)
-            if sp.logit_bias:
-                bias.extend((row, t, b) for t, b in sp.logit_bias.items())
+            min_tokens = sp.min_tokens if constraint is None or constraint.matcher is None \
+                else 0
+            spec = item.spec_token_ids
+            for j in range(len(spec) + 1):
+                step = item.output_index + j
+                params.append(sp)
+                seeds.append(seq.seed)
+                steps.append(step)
+                if step < min_tokens:
+                    banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
+                    suppress.extend((row, t) for t in banned if t < self.vocab_size)
+                if sp.logit_bias:
+                    bias.extend((row, t, b) for t, b in sp.logit_bias.items())
+                histories.append((item, spec[:j]))
+                row += 1
         prompts = outputs = None
         if any(p.uses_penalties for p in params):  # only penalty rows read their history
-            pairs = list(zip(params, rows, strict=True))
-            prompts = [item.seq.prompt_token_ids if p.uses_penalties else [] for p, item in pairs]
-            outputs = [item.seq.output_token_ids if p.uses_penalties else [] for p, item in pairs]
+            pairs = list(zip(params, histories, strict=True))
+            prompts = [item.seq.prompt_token_ids if p.uses_penalties else []
+                       for p, (item, _) in pairs]
+            outputs = [item.seq.output_token_ids + list(before) if p.uses_penalties else []
+                       for p, (item, before) in pairs]
         return SamplingTensors.build(params, seeds, steps, prompts, outputs, suppress,
                                      self.vocab_size, self.device, bias, any_mask)
 
@@ -493,10 +533,11 @@ class ModelRunner:
         logits = self.run_model(batch, gather=not sharded_sampling)
         sampled = None
         if rows:
-            if self.graph_runner is not None:  # straight into where the graphs read it
-                sampled = self.graph_runner.sampled[:len(rows)]
+            num_draws = sum(item.num_samples for item in rows)
+            if self.graph_runner is not None and num_draws == len(rows):
+                sampled = self.graph_runner.sampled[:len(rows)]  # where the graphs read it
             else:
-                sampled = torch.empty(len(rows), dtype=torch.long, device=self.device)
+                sampled = torch.empty(num_draws, dtype=torch.long, device=self.device)
             if sampling is not None:
                 self.sampler.sample_shard(logits, sampling, self.vocab_start, out=sampled)
             else:
@@ -505,7 +546,10 @@ class ModelRunner:
 
     def _remember_sampled(self, rows: list[ScheduledSeq], sampled: torch.Tensor | None) -> None:
         """Keep a step's sampled tokens [num_rows] on the device for the next step's pending
-        inputs (eager steps index this tensor, graphs the static copy)."""
+        inputs (eager steps index this tensor, graphs the static copy). A verify step's
+        tokens are never pending: the host decides which of them count first."""
+        if sampled is not None and sampled.shape[0] != len(rows):
+            sampled, rows = None, []
         self._prev_sampled = sampled
         self._prev_sample_rows = {item.seq.seq_id: r for r, item in enumerate(rows)}
         static = self.graph_runner.sampled if self.graph_runner is not None else None

@@ -5,8 +5,10 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Protocol
 
 from engine_service.block_manager import BlockManager
 from engine_service.config import EngineConfig
@@ -21,6 +23,9 @@ class ScheduledSeq:
     num_new_tokens: int  # computed this step: positions start .. start + num_new_tokens - 1
     sample: bool  # the chunk reaches the sequence's last token, so a new token is sampled
     start: int  # KV tokens computed before this step
+    # A verify row: tokens proposed after the last one, the last num_new_tokens - 1 inputs.
+    # Every position samples; the target's token at each is kept while it matches.
+    spec_token_ids: SequenceT[int] = ()
 
     def __post_init__(self) -> None:
         if self.num_new_tokens < 1:
@@ -30,12 +35,19 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+        return (self.num_new_tokens - len(self.spec_token_ids) == 1
+                and self.start >= self.seq.num_prompt_tokens)
 
     @property
     def output_index(self) -> int:
-        """Index among the sequence's outputs of the token this row samples."""
-        return self.start + self.num_new_tokens - self.seq.num_prompt_tokens
+        """Index among the sequence's outputs of the (first) token this row samples."""
+        return (self.start + self.num_new_tokens - len(self.spec_token_ids)
+                - self.seq.num_prompt_tokens)
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens this row draws: one per verified position, else 1 or 0."""
+        return len(self.spec_token_ids) + 1 if self.sample else 0
 
 
 @dataclass
@@ -44,10 +56,27 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted: list[Sequence]
     num_prefill_tokens: int = 0  # of num_batched_tokens, those of rows that are not is_decode
+    num_spec_tokens: int = 0  # proposed tokens the rows carry
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.num_spec_tokens > 0
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class Proposer(Protocol):
+    """Speculative decoding's proposals, for decode rows whose last token is on the host."""
+
+    def limits(self, seqs: list[Sequence]) -> list[int]:
+        """How many tokens each sequence may be proposed (0: none)."""
+        ...
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """At most limits[i] tokens for seqs[i]; KV slots for them are allocated."""
+        ...
 
 
 class Scheduler:
@@ -133,7 +162,10 @@ class Scheduler:
                 total += to_generate
         return total
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposer: Proposer | None = None) -> SchedulerOutput:
+        """One step's batch. With a `proposer` (speculative decoding) a decode row reserves
+        KV slots and budget for as many proposed tokens as it may take, and once the batch
+        is settled carries those it was proposed (a draft model writes its KV there)."""
         bm = self.block_manager
         block_size = bm.block_size
         budget = self.config.max_num_batched_tokens
@@ -144,6 +176,8 @@ class Scheduler:
         # chunk shrinks to the free blocks; only a sequence that cannot take one token
         # preempts. Hot loop: attributes, not Sequence's properties.
         decode, prefill = self._split_running()
+        limits = dict(zip(map(id, decode), proposer.limits(decode), strict=True)) \
+            if proposer is not None and decode else {}
         status_running = SequenceStatus.RUNNING  # hoisted: an Enum member lookup per row
         for seq in itertools.chain(decode, prefill):
             if budget == 0:
@@ -155,6 +189,10 @@ class Scheduler:
             want = total - computed  # min(budget) without the builtin call
             if want > budget:
                 want = budget
+            limit = limits.get(id(seq))
+            if limit:
+                budget = self._schedule_verify(seq, limit, rows, preempted, budget)
+                continue
             if want == 1 and computed < len(seq.block_table) * block_size:
                 # Its last block has room: no allocation.
                 rows[seq.seq_id] = ScheduledSeq(seq, 1, computed + 1 == total, computed)
@@ -173,18 +211,53 @@ class Scheduler:
                 if victim is seq:
                     break
         budget = self._admit_waiting(rows, preempted, budget)
+        if limits:
+            self._take_proposals(rows, proposer)
 
         scheduled = list(rows.values())
-        num_prefill = 0
+        num_prefill = num_spec = num_batched = 0
         for row in scheduled:
+            num_batched += row.num_new_tokens
             seq = row.seq
-            if row.num_new_tokens != 1 or row.start < seq.num_prompt_tokens:  # not is_decode
+            if row.spec_token_ids:
+                num_spec += len(row.spec_token_ids)
+            elif row.num_new_tokens != 1 or row.start < seq.num_prompt_tokens:  # not is_decode
                 num_prefill += row.num_new_tokens
             seq.num_computed_tokens += row.num_new_tokens
             seq.num_pending_tokens += row.sample
-        # Every row's tokens came out of the budget (and went back to it if dropped).
-        num_batched = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled, num_batched, preempted, num_prefill)
+        return SchedulerOutput(scheduled, num_batched, preempted, num_prefill, num_spec)
+
+    def _schedule_verify(self, seq: Sequence, limit: int, rows: dict[str, ScheduledSeq],
+                         preempted: list[Sequence], budget: int) -> int:
+        """A decode row that may take proposals: its last token plus up to `limit` more, as
+        many as the budget and the free blocks hold (preempting only if not even the last
+        token fits). Returns the budget left."""
+        while True:
+            fitting = min(budget, self._num_fitting_tokens(seq), 1 + limit)
+            if fitting > 0:
+                self.block_manager.allocate(seq, 1, num_lookahead_tokens=fitting - 1)
+                # Placeholder proposals: _take_proposals puts the real ones in.
+                rows[seq.seq_id] = ScheduledSeq(seq, fitting, True, seq.num_computed_tokens,
+                                                [0] * (fitting - 1))
+                return budget - fitting
+            victim = self._preempt_worst(preempted)
+            if victim.seq_id in rows:
+                budget += rows.pop(victim.seq_id).num_new_tokens
+            if victim is seq:
+                return budget
+
+    @staticmethod
+    def _take_proposals(rows: dict[str, ScheduledSeq], proposer: Proposer) -> None:
+        """Fill the reserved rows with their proposals; a row proposed fewer tokens than
+        it reserved computes fewer (its spare blocks go back when the step lands)."""
+        reserved = [row for row in rows.values() if row.spec_token_ids]
+        if not reserved:
+            return
+        proposals = proposer.propose([row.seq for row in reserved],
+                                     [len(row.spec_token_ids) for row in reserved])
+        for row, spec in zip(reserved, proposals, strict=True):
+            row.spec_token_ids = spec
+            row.num_new_tokens = 1 + len(spec)
 
     def _admit_waiting(self, rows: dict[str, ScheduledSeq], preempted: list[Sequence],
                        budget: int) -> int:
@@ -259,9 +332,11 @@ class Scheduler:
         preempted.append(victim)
         return victim
 
-    def postprocess(self, output: SchedulerOutput,
-                    sampled_token_ids: list[int | None]) -> list[Sequence]:
-        """Advance the scheduled sequences by one step; return (and free) those finished."""
+    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int | None],
+                    accepted: list[list[int]] | None = None) -> list[Sequence]:
+        """Advance the scheduled sequences by one step; return (and free) those finished.
+        A speculative step also gives each row's `accepted` tokens (its first is the row's
+        sampled token); a row that stops early has its list cut to the tokens it took."""
         if len(sampled_token_ids) != len(output.scheduled):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for "
                              f"{len(output.scheduled)} scheduled rows")
@@ -269,18 +344,26 @@ class Scheduler:
             if row.sample != (token_id is not None):
                 raise ValueError(f"row {row.seq.seq_id!r}: sample={row.sample} but got "
                                  f"token {token_id!r}")
+        if output.is_speculative and accepted is None:
+            raise ValueError("a speculative step needs each row's accepted tokens")
         bm = self.block_manager
         finished: list[Sequence] = []
         status_finished = SequenceStatus.FINISHED  # hot loop: hoisted, and no properties
-        for row, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
+        for r, (row, token_id) in enumerate(zip(output.scheduled, sampled_token_ids,
+                                                strict=True)):
             seq = row.seq
             if seq.status is status_finished:
                 continue  # aborted, or stopped by its previous token, while the step ran
-            if token_id is not None:
-                seq.num_pending_tokens -= 1
-                seq.token_ids.append(token_id)
-            bm.cache_full_blocks(seq)  # returns at once unless a block filled up
-            if token_id is not None and self._check_stop(seq, token_id):
+            if row.spec_token_ids:
+                assert accepted is not None
+                stopped = self._land_verified(row, accepted[r])
+            else:
+                if token_id is not None:
+                    seq.num_pending_tokens -= 1
+                    seq.token_ids.append(token_id)
+                bm.cache_full_blocks(seq)  # returns at once unless a block filled up
+                stopped = token_id is not None and self._check_stop(seq, token_id)
+            if stopped:
                 seq.status = status_finished
                 bm.free(seq)
                 del self._unfinished[seq.seq_id]
@@ -291,6 +374,24 @@ class Scheduler:
             if any(s.is_finished for s in self.waiting):
                 self.waiting = deque(s for s in self.waiting if not s.is_finished)
         return finished
+
+    def _land_verified(self, row: ScheduledSeq, tokens: list[int]) -> bool:
+        """Append a verify row's tokens up to a stop (cutting `tokens` there); the KV of
+        its rejected proposals is void, and blocks taken only for them go back. Returns
+        whether the sequence stopped."""
+        seq = row.seq
+        seq.num_pending_tokens -= 1
+        seq.num_computed_tokens -= len(row.spec_token_ids) - (len(tokens) - 1)
+        self.block_manager.rollback(seq)
+        stopped = False
+        for n, token_id in enumerate(tokens, 1):
+            seq.token_ids.append(token_id)
+            if self._check_stop(seq, token_id):
+                del tokens[n:]
+                stopped = True
+                break
+        self.block_manager.cache_full_blocks(seq)
+        return stopped
 
     def _check_stop(self, seq: Sequence, token_id: int) -> bool:
         """Set finish_reason/stop_reason if seq must stop after its last token, token_id."""

@@ -37,7 +37,7 @@ class Sequence:
         "seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_table", "block_hashes", "num_hashed_blocks", "status", "sampling_params", "seed",
         "arrival", "num_pending_tokens", "finish_reason", "stop_reason", "num_preemptions",
-        "priority", "sched_key", "constraint",
+        "priority", "sched_key", "constraint", "draft_kv",
     )
 
     def __init__(self, seq_id: str, token_ids: list[int], sampling_params: SamplingParams,
@@ -67,6 +67,9 @@ class Sequence:
         # Structured output / allowed_token_ids; set by the engine once compiled.
         self.constraint: TokenConstraint | None = None
         self.num_preemptions = 0
+        # Speculative decoding's draft model: (num_preemptions when written, tokens its KV
+        # covers, the proposals it was fed after them); see spec_decode/draft_proposer.py.
+        self.draft_kv: tuple[int, int, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

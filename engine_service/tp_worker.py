@@ -11,9 +11,14 @@ gathered logits and broadcasts the tokens.
 Control channel: a socketpair per worker, one message per step (a worker writes back only "up"
 and its traceback on failure). A message is a flat int32 array, [flags], then per row:
 
-    delta row: [prev_row, num_new_tokens, sample, n_tok, n_blk, *new_tokens, *new_blocks]
-    full row:  [-1,       num_new_tokens, sample, n_tok, n_blk, num_computed, num_prompt,
-                temperature (float32 bits), seed_hi, seed_lo, *tokens, *blocks]
+    delta row: [prev_row, num_new_tokens, sample, n_tok, n_blk, n_spec, *new_tokens,
+                *new_blocks, *spec_tokens]
+    full row:  [-1,       num_new_tokens, sample, n_tok, n_blk, n_spec, num_computed,
+                num_prompt, temperature (float32 bits), seed_hi, seed_lo, *tokens, *blocks,
+                *spec_tokens]
+
+`spec_tokens` are a verify row's proposed tokens (speculative decoding): inputs of this step
+only, never part of the mirror's tokens.
 
 `prev_row` indexes the previous step's rows; rows it does not name drop out of the worker's
 mirror. Tokens are those on rank 0's host when sent. An empty message means "stop".
@@ -59,7 +64,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FULL_ROW = -1
-ROW_HEADER = 5  # prev_row, num_new_tokens, sample, n_tok, n_blk
+ROW_HEADER = 6  # prev_row, num_new_tokens, sample, n_tok, n_blk, n_spec
 FULL_ROW_EXTRA = 5  # num_computed, num_prompt, temperature bits, seed_hi, seed_lo
 SHARDED_SAMPLING = 1  # flags bit: every rank draws over its vocab shard this step
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # backstop; dead peers are caught sooner
@@ -127,16 +132,18 @@ class StepEncoder:
                 tokens = seq.token_ids[sent.num_tokens:]
                 blocks = seq.block_table[len(sent.blocks):]
                 out.extend((prev_row, item.num_new_tokens, item.sample, len(tokens),
-                            len(blocks)))
+                            len(blocks), len(item.spec_token_ids)))
                 sent.blocks.extend(blocks)
             else:
                 tokens, blocks = seq.token_ids, seq.block_table
                 out.extend((FULL_ROW, item.num_new_tokens, item.sample, len(tokens),
-                            len(blocks), item.start, seq.num_prompt_tokens))
+                            len(blocks), len(item.spec_token_ids), item.start,
+                            seq.num_prompt_tokens))
                 out.extend(_sampling_fields(seq))
                 sent = _Sent(seq, 0, list(blocks), 0)
             out.extend(tokens)
             out.extend(blocks)
+            out.extend(item.spec_token_ids)
             sent.num_tokens = len(seq.token_ids)
             sent.num_computed_tokens = item.start + item.num_new_tokens
             current[seq.seq_id] = (row, sent)
@@ -162,7 +169,7 @@ def decode_step(message: bytes, prev: list[MirrorSeq], ids: Iterator[int]
     batch: list[ScheduledSeq] = []
     i = 1
     while i < len(values):
-        prev_row, num_new, sample, n_tok, n_blk = values[i:i + ROW_HEADER]
+        prev_row, num_new, sample, n_tok, n_blk, n_spec = values[i:i + ROW_HEADER]
         i += ROW_HEADER
         if prev_row == FULL_ROW:
             computed, num_prompt, temperature, seed_hi, seed_lo = \
@@ -177,8 +184,10 @@ def decode_step(message: bytes, prev: list[MirrorSeq], ids: Iterator[int]
             seq.token_ids.extend(values[i:i + n_tok])
             seq.block_table.extend(values[i + n_tok:i + n_tok + n_blk])
         i += n_tok + n_blk
+        spec = values[i:i + n_spec]
+        i += n_spec
         batch.append(ScheduledSeq(seq, num_new, bool(sample),  # type: ignore[arg-type]
-                                  seq.num_computed_tokens))
+                                  seq.num_computed_tokens, spec))
     return batch, bool(values[0] & SHARDED_SAMPLING)
 
 

@@ -50,8 +50,8 @@ def spy_schedule(llm, pick) -> list:
     seen: list = []
     original = llm.engine.scheduler.schedule
 
-    def spy():
-        out = original()
+    def spy(*args):
+        out = original(*args)
         seen.extend(pick(out))
         return out
 

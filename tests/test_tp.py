@@ -20,7 +20,7 @@ from engine_service import LLM, SamplingParams
 from engine_service.block_manager import BlockManager
 from engine_service.scheduler import ScheduledSeq, Scheduler
 from engine_service.sequence import Sequence
-from engine_service.tp_worker import StepEncoder, decode_step, finish_step
+from engine_service.tp_worker import ROW_HEADER, StepEncoder, decode_step, finish_step
 from models.layers.sampler import SAMPLING_EPS
 from tests.helpers import greedy as ignore_eos_greedy
 from tests.helpers import random_prompts, shared_prefix_prompts, spy_preemptions
@@ -236,7 +236,7 @@ def test_decode_message_is_small_and_independent_of_context_length(make_config):
         assert len(decode) >= 4
         sizes[prompt_len] = min(len(m) for m in decode)
         # A decode row: header + its one new token (+ a block id when it crosses a block).
-        assert all(len(m) <= 32 * 7 * 4 for m in decode)
+        assert all(len(m) <= 4 + 32 * (ROW_HEADER + 2) * 4 for m in decode)
         assert len(msgs[0][0]) > 32 * prompt_len * 4  # the first step carried the prompts
     assert sizes[8] == sizes[200], sizes
 

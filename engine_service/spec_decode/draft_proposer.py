@@ -1,0 +1,113 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary runs K decode steps
+ahead of the target. Its paged KV cache is indexed by the target's block ids, so a sequence's
+blocks (and the block manager's budget) hold both caches; the scheduler allocates the slots of
+the proposed tokens before the draft writes them.
+
+The draft draws with the request's own settings, seed and output positions, the draws the
+target verifies with, so a draft that agrees with the target is accepted under sampling too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_service.scheduler import ScheduledSeq
+from engine_service.sequence import Sequence
+from models.attention_metadata import make_attention_metadata
+from models.config import ModelConfig
+from models.host_copy import to_device
+from models.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from models.registry import build_model
+
+
+class DraftProposer:
+    def __init__(self, runner) -> None:
+        config = runner.config
+        assert config.speculative_model is not None
+        self.runner = runner
+        self.model_config = ModelConfig.from_dir(config.speculative_model)
+        target_vocab = runner.model_config.vocab_size
+        if self.model_config.vocab_size != target_vocab:
+            raise ValueError(f"speculative_model must have the target's vocab_size "
+                             f"({target_vocab}), got {self.model_config.vocab_size}")
+        self.model = build_model(self.model_config, config.speculative_model, runner.backend,
+                                 runner.device, runner.dtype, config.seed, config.load_format)
+        # Tokens one propose() call may feed the draft to catch up on (new prompts, tokens
+        # the target added): the activation budget the target was profiled with.
+        self.max_catch_up_tokens = config.max_num_batched_tokens
+        self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.model, self.runner.block_size, self.runner.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.runner.block_size,
+                                          self.runner.dtype, self.runner.device)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] tokens for seqs[i]: one pass over the tokens each draft cache
+        lacks (sampling at the last), then one single-token pass per further proposal; the
+        tokens stay on the device until the last pass."""
+        rows, budget = [], self.max_catch_up_tokens
+        for seq, k in zip(seqs, limits, strict=True):
+            start = self._num_valid(seq)
+            num_new = seq.num_tokens - start
+            if k and num_new <= budget:  # else: no proposal this step, catch up later
+                rows.append((seq, k, start))
+                budget -= num_new
+        proposals: dict[int, list[int]] = {}
+        if rows:
+            drafted = self._draft(rows)  # [max_k, len(rows)] on the host
+            for r, (seq, k, _) in enumerate(rows):
+                tokens = [drafted[j][r] for j in range(k)]
+                # The cache now holds the tokens and the proposals it was fed (all but last).
+                seq.draft_kv = (seq.num_preemptions, seq.num_tokens, tokens[:-1])
+                proposals[id(seq)] = tokens
+        return [proposals.get(id(seq), []) for seq in seqs]
+
+    def _num_valid(self, seq: Sequence) -> int:
+        """Leading tokens of seq whose draft KV is in its blocks: what the last propose()
+        fed, up to the first proposal the target did not keep (none after a preemption)."""
+        state = seq.draft_kv
+        if state is None or state[0] != seq.num_preemptions:
+            return 0
+        _, covered, fed = state
+        tokens = seq.token_ids
+        n = 0
+        while n < len(fed) and covered + n < len(tokens) - 1 and tokens[covered + n] == fed[n]:
+            n += 1
+        return min(covered + n, len(tokens) - 1)
+
+    def _draft(self, rows: list[tuple[Sequence, int, int]]) -> list[list[int]]:
+        runner = self.runner
+        first = [ScheduledSeq(seq, seq.num_tokens - start, True, start)
+                 for seq, _, start in rows]
+        input_ids, positions, meta, logits_indices = runner.prepare_inputs(first)
+        sampled = self._sample(first, self.model(input_ids, positions, meta)[logits_indices])
+        steps = [sampled]  # [rows] each, on the device
+        active = list(range(len(rows)))
+        for j in range(1, max(k for _, k, _ in rows)):
+            keep = [i for i, r in enumerate(active) if rows[r][1] > j]
+            active = [active[i] for i in keep]
+            seqs = [rows[r][0] for r in active]
+            pos = [seq.num_tokens - 1 + j for seq in seqs]
+            meta = make_attention_metadata([1] * len(seqs), [p + 1 for p in pos],
+                                           [seq.block_table for seq in seqs],
+                                           runner.block_size, runner.device)
+            ids = sampled[to_device(keep, torch.long, runner.device)]
+            items = [ScheduledSeq(seq, 1, True, p) for seq, p in zip(seqs, pos, strict=True)]
+            hidden = self.model(ids, to_device(pos, torch.long, runner.device), meta)
+            sampled = self._sample(items, hidden)
+            full = torch.zeros(len(rows), dtype=torch.long, device=runner.device)
+            full[to_device(active, torch.long, runner.device)] = sampled
+            steps.append(full)
+        return torch.stack(steps).tolist()  # the one host sync of the proposal
+
+    def _sample(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's draw at each row's output position, with the row's own settings."""
+        runner = self.runner
+        sampling = runner.prepare_sampling(items, [])
+        sampling.max_num_logprobs = -1  # a proposal's logprobs are never reported
+        return runner.sampler(self.model.compute_logits(hidden), sampling).sampled_token_ids

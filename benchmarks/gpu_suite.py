@@ -6,8 +6,10 @@ workload as concurrent streams through a router to one engine, gRPC and OpenAI H
 profile (host and kernel profile of batch-256 and batch-1 decode steps); tp (Qwen3-8B shape
 single request at TP=1/2/4 where GPUs allow; with --tp-throughput also the workload);
 families (Llama-3.2-1B and Qwen3-30B-A3B shapes, single request and workload, and the MoE
-workload under the profiler). Logs go to $OUT (or ./.out); figures are appended to
-.out/runs.md (NANOSERVE_RESULTS to redirect); a table is printed last.
+workload under the profiler); spec (speculative decoding: Qwen3-8B single request off, ngram,
+ngram never matching and a draft model; the workload with and without ngram). Logs go to
+$OUT (or ./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to redirect); a
+table is printed last.
 """
 
 from __future__ import annotations
@@ -180,9 +182,43 @@ def stage_families(args) -> None:
                  "moe_profile.log"))
 
 
+def stage_spec(args) -> None:
+    """Speculative decoding on the Qwen3-8B shape, one request (512 + 512): off, ngram K=4,
+    ngram that never matches, a Qwen3-0.6B-shape draft; then the workload with and
+    without ngram."""
+    single = ("--model", "qwen3-8b", "--max-model-len", "4096", "--single",
+              "--max-input-len", "512", "--max-output-len", "512", "--repeats", "3")
+    ngram = ("--speculative-method", "ngram", "--num-speculative-tokens", "4")
+    runs = (("off", ()),
+            ("ngram K=4", (*ngram, "--prompt-lookup-min", "2", "--prompt-lookup-max", "5")),
+            ("ngram never matching", (*ngram, "--prompt-lookup-min", "4096",
+                                      "--prompt-lookup-max", "4096")),
+            ("draft qwen3-0.6b K=4", ("--speculative-method", "draft",
+                                      "--num-speculative-tokens", "4",
+                                      "--speculative-model", "qwen3-0.6b")))
+    for name, extra in runs:
+        text = sh(f"spec_{name.split()[0]}_{len(extra)}", nanoserve("bench", "offline", *single,
+                                                                  *extra), timeout=420)
+        acc = re.findall(r"acceptance ([\d.]+%), mean acceptance length ([\d.]+)", text)
+        ratio = re.findall(r"device per step: verify ([\d.]+) ms .* ratio ([\d.]+)", text)
+        note = f"acceptance {acc[-1][0]}, mean length {acc[-1][1]}" if acc else ""
+        if ratio:
+            note += f"; verify step {ratio[-1][0]} ms = {ratio[-1][1]}x other steps"
+        ROWS.append((f"Qwen3-8B single, speculation {name}", _found(_decode_rate(text), "tok/s"),
+                     note))
+    for name, extra in (("off", ()), ("ngram K=4", (*ngram, "--prompt-lookup-min", "2",
+                                                      "--prompt-lookup-max", "5"))):
+        text = sh(f"spec_offline_{len(extra)}", nanoserve("bench", "offline", "--model",
+                                                          args.model, *extra), timeout=540)
+        acc = re.findall(r"acceptance ([\d.]+%)", text)
+        ROWS.append((f"offline nano-vllm bench, speculation {name}",
+                     _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"),
+                     f"acceptance {acc[-1]}" if acc else ""))
+
+
 STAGES = {"tests": stage_tests, "offline": stage_offline, "single": stage_single,
           "serve": stage_serve, "profile": stage_profile, "tp": stage_tp,
-          "families": stage_families}
+          "families": stage_families, "spec": stage_spec}
 
 
 def main() -> int:

@@ -48,6 +48,8 @@ def main(args: argparse.Namespace) -> int:
     from engine_service.engine import StepStats
 
     args.model, is_preset = resolve_model(args.model, tokenizer=args.json_schema)
+    if args.speculative_model:  # a preset drafts with dummy weights too
+        args.speculative_model, _ = resolve_model(args.speculative_model)
     if is_preset:
         args.load_format = "dummy"
     config = engine_config_from_args(args)
@@ -63,6 +65,8 @@ def main(args: argparse.Namespace) -> int:
     prompts = [r.prompt_token_ids for r in reqs]
     # Warm-up; it also compiles the schema, which the compiler then holds.
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, **schema)] * 2, use_tqdm=False)
+    if llm.engine.speculator is not None:
+        llm.engine.speculator.take_stats()  # the warm-up's counts
     structured = llm.engine.structured
     structured.fill_seconds, structured.num_fills = 0.0, 0
     llm.engine.total_stats = stats = StepStats(num_steps=0)
@@ -91,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
           f"ms/step), waiting on the device {stats.wait_seconds:.2f} s, device busy "
           f"{stats.device_seconds:.2f} s ({stats.device_seconds / stats.num_steps * 1e3:.2f} "
           f"ms/step)")
+    _print_speculation(llm.engine)
     if structured.num_fills:
         print(f"bitmask fill (host, overlapping the forward pass): "
               f"{structured.fill_seconds / structured.num_fills * 1e3:.2f} ms/step over "
@@ -192,6 +197,26 @@ def _print_gaps(profiler, min_gap_us: float = 3.0) -> None:
               f"{prev} -> {nxt}")
 
 
+def _print_speculation(engine) -> None:
+    """Acceptance since the last call, and the device time of a verify step against a
+    plain step's (CUDA events around each step)."""
+    if engine.speculator is None:
+        return
+    spec, stats = engine.speculator.take_stats(), engine.total_stats
+    rate = spec.num_accepted_tokens / max(spec.num_draft_tokens, 1)
+    per_pos = " ".join(f"{n / max(spec.num_drafts, 1):.2f}" for n in spec.accepted_per_pos)
+    print(f"speculation: {spec.num_drafts} drafts, {spec.num_draft_tokens} proposed, "
+          f"{spec.num_accepted_tokens} accepted: acceptance {rate:.1%}, mean acceptance "
+          f"length {1 + spec.num_accepted_tokens / max(spec.num_drafts, 1):.2f}, per "
+          f"position {per_pos}")
+    plain = stats.num_steps - stats.num_verify_steps
+    if stats.device_seconds and stats.num_verify_steps and plain:
+        verify_ms = stats.verify_device_seconds / stats.num_verify_steps * 1e3
+        plain_ms = (stats.device_seconds - stats.verify_device_seconds) / plain * 1e3
+        print(f"device per step: verify {verify_ms:.3f} ms ({stats.num_verify_steps} steps), "
+              f"other {plain_ms:.3f} ms ({plain} steps): ratio {verify_ms / plain_ms:.2f}")
+
+
 def _single(llm, args: argparse.Namespace) -> int:
     """Decode speed of one request: from its first token to its last, timed on the engine's
     own steps after a full warm-up run of the same request (so no compile is timed);
@@ -223,6 +248,8 @@ def _single(llm, args: argparse.Namespace) -> int:
         end = time.perf_counter()
         assert produced == n, f"expected {n} tokens, got {produced}"
         if run == 0:
+            if engine.speculator is not None:
+                engine.speculator.take_stats()  # the warm-up's counts
             continue
         ttft, decode = first - t0, end - first
         rates.append((n - 1) / max(decode, 1e-9))
@@ -233,6 +260,7 @@ def _single(llm, args: argparse.Namespace) -> int:
               f"{rates[-1]:.1f} tok/s ({decode / (n - 1) * 1e3:.3f} ms/token); per step: host "
               f"busy {(stats.seconds - stats.wait_seconds) / steps * 1e3:.3f} ms, device "
               f"{stats.device_seconds / steps * 1e3:.3f} ms ({stats.num_steps} steps)")
+        _print_speculation(engine)
     decode_tps = statistics.median(rates)
     if args.repeats > 1:
         print(f"median of {args.repeats} runs: decode {decode_tps:.1f} tok/s")

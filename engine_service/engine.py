@@ -58,6 +58,9 @@ class StepStats:
     wait_seconds: float = 0.0  # of which the host waited for the device's tokens
     device_seconds: float = 0.0  # of the steps read back in the call (CUDA only)
     num_steps: int = 1
+    # Of the steps read back, speculative ones (verify rows) and their device time.
+    num_verify_steps: int = 0
+    verify_device_seconds: float = 0.0
 
     def add(self, other: StepStats) -> None:
         self.num_prefill_tokens += other.num_prefill_tokens
@@ -66,6 +69,8 @@ class StepStats:
         self.wait_seconds += other.wait_seconds
         self.device_seconds += other.device_seconds
         self.num_steps += other.num_steps
+        self.num_verify_steps += other.num_verify_steps
+        self.verify_device_seconds += other.verify_device_seconds
 
 
 class LLMEngine:
@@ -178,10 +183,12 @@ class LLMEngine:
         self._in_flight = launched
         if not sched.is_empty:
             prefill = sched.num_prefill_tokens
+            verify = [f for f in self._read_back if f.is_speculative]
             self.last_stats = StepStats(prefill, sched.num_batched_tokens - prefill,
                                         time.perf_counter() - t0,
                                         sum(f.wait_seconds for f in self._read_back),
-                                        sum(f.device_seconds for f in self._read_back))
+                                        sum(f.device_seconds for f in self._read_back), 1,
+                                        len(verify), sum(f.device_seconds for f in verify))
             self.total_stats.add(self.last_stats)
         return self._outputs
 

@@ -57,6 +57,7 @@ class LaunchedStep:
                  guard: Callable[[], AbstractContextManager] | None = None,
                  copy_stream: torch.cuda.Stream | None = None) -> None:
         self.batch = batch
+        self.is_speculative = any(item.spec_token_ids for item in batch)  # rows verify
         self._guard = guard or contextlib.nullcontext  # a tensor-parallel step: TPWorkers.guard
         self.wait_seconds = 0.0  # how long result() blocked on the device
         self.device_seconds = 0.0  # from the inputs queued to the output copy done
@@ -101,7 +102,7 @@ class LaunchedStep:
         if not self._host:
             return StepResult([None] * len(batch), [None] * len(batch))
         sampled = self._host["sampled"].tolist()
-        if self.speculative:
+        if self.is_speculative:
             return self._verify(sampled)
         if len(sampled) == len(batch) and "logprobs" not in self._host:
             return StepResult(sampled, [None] * len(batch))  # every row sampled
@@ -110,10 +111,6 @@ class LaunchedStep:
         it = iter(zip(sampled, lp, strict=True))
         pairs = [next(it) if item.sample else (None, None) for item in batch]
         return StepResult([t for t, _ in pairs], [p for _, p in pairs])
-
-    @property
-    def speculative(self) -> bool:
-        return any(item.spec_token_ids for item in self.batch)
 
     def _verify(self, sampled: list[int]) -> StepResult:
         """Each verify row keeps the target's draws while they equal the proposals, then
@@ -379,6 +376,39 @@ class ModelRunner:
         return (self.graph_runner is not None and len(batch) <= self.graph_runner.max_bs
                 and all(item.num_new_tokens == 1 for item in batch))
 
+    def can_replay_verify(self, batch: list[ScheduledSeq]) -> bool:
+        """A speculative batch of decode rows (with or without proposals, none pending)
+        that the verify graphs cover."""
+        graphs = self.graph_runner
+        return (graphs is not None and graphs.verify is not None
+                and len(batch) <= graphs.verify_sizes[-1]
+                and all(item.is_decode and item.start < len(item.seq.token_ids)
+                        for item in batch))
+
+    def prepare_verify(self, batch: list[ScheduledSeq]) -> int:
+        """Stage a verify batch into the graphs' inputs (one host->device copy); returns its
+        token count. Every token samples: the last token and each proposal."""
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        for item in batch:
+            seq, start = item.seq, item.start
+            table = seq.block_table
+            input_ids.append(seq.token_ids[start])
+            input_ids.extend(item.spec_token_ids)
+            for pos in range(start, start + item.num_new_tokens):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            query_lens.append(item.num_new_tokens)
+        tables = [item.seq.block_table for item in batch]
+        graphs = self.graph_runner
+        assert graphs is not None and graphs.verify is not None
+        graphs.verify.stage(graphs.padded_verify_size(len(batch)), input_ids, positions, slots,
+                            query_lens, self._table_cache.pack(tables, max(map(len, tables)), 0))
+        return len(input_ids)
+
     def prepare_decode(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Stage a decode-only batch into the graphs' inputs (one host->device copy);
         returns logits_indices [num_rows], or None when every row samples."""
@@ -462,6 +492,12 @@ class ModelRunner:
             if start is not None:
                 start.record()
             hidden = self.graph_runner.replay(len(batch))
+        elif self.can_replay_verify(batch):
+            num_tokens = self.prepare_verify(batch)
+            if start is not None:
+                start.record()
+            return self.model.compute_logits(self.graph_runner.replay_verify(len(batch),
+                                                                             num_tokens), gather)
         else:
             input_ids, positions, meta, logits_indices = self.prepare_inputs(batch)
             if start is not None:

@@ -141,9 +141,6 @@ class EngineConfig:
         check_field(draft is not None and os.path.isfile(os.path.join(draft, "config.json")),
                     "speculative_model", "a model directory with a config.json when "
                     "speculative_method='draft'", draft)
-        check_field(self.tensor_parallel_size == 1, "tensor_parallel_size",
-                    "1 with speculative_method='draft' (the draft model is not sharded)",
-                    self.tensor_parallel_size)
 
     @property
     def num_lookahead_tokens(self) -> int:

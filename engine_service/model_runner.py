@@ -175,6 +175,7 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0):
         self.config = config
+        self.rank = rank
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(rank)

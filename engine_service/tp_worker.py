@@ -21,7 +21,9 @@ and its traceback on failure). A message is a flat int32 array, [flags], then pe
 only, never part of the mirror's tokens.
 
 `prev_row` indexes the previous step's rows; rows it does not name drop out of the worker's
-mirror. Tokens are those on rank 0's host when sent. An empty message means "stop".
+mirror. Tokens are those on rank 0's host when sent. An empty message means "stop". A
+message with the DRAFT flag is a draft model's proposal instead (`encode_draft`); it leaves
+the mirror alone.
 
 A dead rank raises `RuntimeError("tensor-parallel rank N died ...")` before a step or from a
 failed collective; where a collective would hang instead (NCCL), a watchdog thread aborts the
@@ -67,6 +69,8 @@ FULL_ROW = -1
 ROW_HEADER = 6  # prev_row, num_new_tokens, sample, n_tok, n_blk, n_spec
 FULL_ROW_EXTRA = 5  # num_computed, num_prompt, temperature bits, seed_hi, seed_lo
 SHARDED_SAMPLING = 1  # flags bit: every rank draws over its vocab shard this step
+DRAFT = 2  # flags bit: the draft model's passes of one proposal (speculative decoding)
+DRAFT_ROW_HEADER = 4  # num_tokens, start, k, n_blk
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # backstop; dead peers are caught sooner
 STARTUP_TIMEOUT_S = 600.0  # a worker must say "up" (torch imported) within this
 STUCK_GRACE_S = 5.0  # rank 0 waiting this long on a dead rank's collective is stuck
@@ -151,6 +155,33 @@ class StepEncoder:
         return out.tobytes()
 
 
+def encode_draft(rows: list[tuple[Sequence, int, int]]) -> bytes:
+    """A draft message: per (seq, k, start) row [num_tokens, start, k, n_blk,
+    *tokens[start:], *blocks]; the workers learn the drafted tokens by broadcast."""
+    out = array("i", [DRAFT])
+    for seq, k, start in rows:
+        out.extend((seq.num_tokens, start, k, len(seq.block_table)))
+        out.extend(seq.token_ids[start:])
+        out.extend(seq.block_table)
+    return out.tobytes()
+
+
+def decode_draft(values: list[int]) -> list[tuple[MirrorSeq, int, int]]:
+    """A worker's side of encode_draft: rows over stand-in sequences whose tokens before
+    `start` are zeros (the draft reads only what it feeds)."""
+    rows = []
+    i = 1
+    while i < len(values):
+        num_tokens, start, k, n_blk = values[i:i + DRAFT_ROW_HEADER]
+        i += DRAFT_ROW_HEADER
+        tokens = [0] * start + values[i:i + num_tokens - start]
+        i += num_tokens - start
+        seq = MirrorSeq(-1, tokens, start, values[i:i + n_blk], 0, SamplingParams(), 0)
+        i += n_blk
+        rows.append((seq, k, start))
+    return rows
+
+
 def _still_mirrored(sent: _Sent, item: ScheduledSeq) -> bool:
     """The worker's copy is a prefix of the row's sequence: same object (ids are reused),
     computed as far as the last step left it, same leading blocks (preemption)."""
@@ -159,13 +190,18 @@ def _still_mirrored(sent: _Sent, item: ScheduledSeq) -> bool:
             and seq.block_table[:len(sent.blocks)] == sent.blocks)
 
 
+def message_values(message: bytes) -> list[int]:
+    """A message's int32 words: [flags, ...]."""
+    data = array("i")
+    data.frombytes(message)
+    return data.tolist()
+
+
 def decode_step(message: bytes, prev: list[MirrorSeq], ids: Iterator[int]
                 ) -> tuple[list[ScheduledSeq], bool]:
     """A worker's side: (the batch rebuilt from a message and the previous step's rows,
     whether sampling is sharded). Full rows become MirrorSeqs numbered from `ids`."""
-    data = array("i")
-    data.frombytes(message)
-    values = data.tolist()
+    values = message_values(message)
     batch: list[ScheduledSeq] = []
     i = 1
     while i < len(values):
@@ -315,8 +351,13 @@ class TPWorkers:
     @contextlib.contextmanager
     def step(self, batch: list[ScheduledSeq], sharded_sampling: bool) -> Iterator[None]:
         """Send the step to every worker, then let rank 0 launch it (under `guard`)."""
+        with self.run(self.encoder.encode(batch, sharded_sampling)):
+            yield
+
+    @contextlib.contextmanager
+    def run(self, message: bytes) -> Iterator[None]:
+        """Send a message to every worker, then let rank 0 do its part (under `guard`)."""
         self.check_alive()
-        message = self.encoder.encode(batch, sharded_sampling)
         for rank, conn in self.controls.items():
             try:
                 conn.send_bytes(message)

@@ -21,12 +21,15 @@ import torch.distributed as dist
 from engine_service.config import EngineConfig, cpu_threads
 from engine_service.model_runner import ModelRunner, resolve_device
 from engine_service.tp_worker import (
+    DRAFT,
     UP,
     WATCH_INTERVAL_S,
     MirrorSeq,
+    decode_draft,
     decode_step,
     finish_step,
     join_process_group,
+    message_values,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,10 @@ def _replay_steps(runner: ModelRunner, control: Connection) -> None:
         message = control.recv_bytes()
         if not message:
             return
+        if message_values(message[:4])[0] & DRAFT:
+            assert runner.drafter is not None
+            runner.drafter.draft(decode_draft(message_values(message)))
+            continue
         batch, sharded_sampling = decode_step(message, mirror, ids)
         runner.replay(batch, sharded_sampling)  # queued on the device; never waited for
         mirror = finish_step(batch)

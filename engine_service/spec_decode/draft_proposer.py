@@ -9,10 +9,14 @@ target verifies with, so a draft that agrees with the target is accepted under s
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 
 from engine_service.scheduler import ScheduledSeq
 from engine_service.sequence import Sequence
+from engine_service.tp_worker import encode_draft
 from models.attention_metadata import make_attention_metadata
 from models.config import ModelConfig
 from models.host_copy import to_device
@@ -59,7 +63,9 @@ class DraftProposer:
                 budget -= num_new
         proposals: dict[int, list[int]] = {}
         if rows:
-            drafted = self._draft(rows)  # [max_k, len(rows)] on the host
+            tp = self.runner.tp
+            with tp.run(encode_draft(rows)) if tp is not None else contextlib.nullcontext():
+                drafted = self.draft(rows)  # [max_k, len(rows)] on the host
             for r, (seq, k, _) in enumerate(rows):
                 tokens = [drafted[j][r] for j in range(k)]
                 # The cache now holds the tokens and the proposals it was fed (all but last).
@@ -80,9 +86,12 @@ class DraftProposer:
             n += 1
         return min(covered + n, len(tokens) - 1)
 
-    def _draft(self, rows: list[tuple[Sequence, int, int]]) -> list[list[int]]:
+    def draft(self, rows: list[tuple[Sequence, int, int]]) -> list[list[int]]:
+        """The passes of one proposal for (seq, k, start) rows, on every tensor-parallel
+        rank (workers get rank 0's rows by message): [max k][rows] drafted tokens. Rank 0
+        draws them and the others receive each pass's by broadcast, their next inputs."""
         runner = self.runner
-        first = [ScheduledSeq(seq, seq.num_tokens - start, True, start)
+        first = [ScheduledSeq(seq, len(seq.token_ids) - start, True, start)  # type: ignore
                  for seq, _, start in rows]
         input_ids, positions, meta, logits_indices = runner.prepare_inputs(first)
         sampled = self._sample(first, self.model(input_ids, positions, meta)[logits_indices])
@@ -92,7 +101,7 @@ class DraftProposer:
             keep = [i for i, r in enumerate(active) if rows[r][1] > j]
             active = [active[i] for i in keep]
             seqs = [rows[r][0] for r in active]
-            pos = [seq.num_tokens - 1 + j for seq in seqs]
+            pos = [len(seq.token_ids) - 1 + j for seq in seqs]
             meta = make_attention_metadata([1] * len(seqs), [p + 1 for p in pos],
                                            [seq.block_table for seq in seqs],
                                            runner.block_size, runner.device)
@@ -103,11 +112,19 @@ class DraftProposer:
             full = torch.zeros(len(rows), dtype=torch.long, device=runner.device)
             full[to_device(active, torch.long, runner.device)] = sampled
             steps.append(full)
-        return torch.stack(steps).tolist()  # the one host sync of the proposal
+        return torch.stack(steps).tolist() if runner.rank == 0 else []
 
     def _sample(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> torch.Tensor:
-        """The draft's draw at each row's output position, with the row's own settings."""
+        """The draft's draw at each row's output position with the row's own settings (rank
+        0), sent to the other ranks."""
         runner = self.runner
-        sampling = runner.prepare_sampling(items, [])
-        sampling.max_num_logprobs = -1  # a proposal's logprobs are never reported
-        return runner.sampler(self.model.compute_logits(hidden), sampling).sampled_token_ids
+        logits = self.model.compute_logits(hidden)  # collective under TP
+        if runner.rank == 0:
+            sampling = runner.prepare_sampling(items, [])
+            sampling.max_num_logprobs = -1  # a proposal's logprobs are never reported
+            sampled = runner.sampler(logits, sampling).sampled_token_ids
+        else:
+            sampled = torch.empty(len(items), dtype=torch.long, device=runner.device)
+        if runner.config.tensor_parallel_size > 1:
+            dist.broadcast(sampled, src=0)
+        return sampled

@@ -322,12 +322,13 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     def _apply_output(self, state: RequestState, out: RequestOutput,
                       chunk: pb.GenerateChunk) -> bool:
         """Add one step's output to the chunk; True when the request has ended."""
-        state.num_output_tokens += len(out.new_token_ids)
-        chunk.token_ids.extend(out.new_token_ids)
-        for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=False):
+        upd = state.detok.update(out.new_token_ids) if state.detok is not None else None
+        tokens = out.new_token_ids if upd is None else out.new_token_ids[:upd.num_tokens]
+        state.num_output_tokens += len(tokens)
+        chunk.token_ids.extend(tokens)
+        for token, lp in zip(tokens, out.new_logprobs, strict=False):
             if lp is not None:
                 chunk.logprobs.append(logprob_to_proto(token, lp))
-        upd = state.detok.update(out.new_token_ids) if state.detok is not None else None
         if upd is not None:
             chunk.text += upd.text_delta
         if upd is not None and upd.stopped:

@@ -100,12 +100,13 @@ class LLM:
                 if ro.request_id not in pending:
                     continue
                 out, detok = outputs[ro.request_id], detoks.get(ro.request_id)
-                out.token_ids += ro.new_token_ids
-                for lp in ro.new_logprobs:
+                upd = detok.update(ro.new_token_ids) if detok is not None else None
+                kept = len(ro.new_token_ids) if upd is None else upd.num_tokens
+                out.token_ids += ro.new_token_ids[:kept]
+                for lp in ro.new_logprobs[:kept]:
                     if lp is not None:
                         out.logprobs.append(lp)
                 out.num_cached_tokens = ro.num_cached_tokens
-                upd = detok.update(ro.new_token_ids) if detok is not None else None
                 if upd is not None and upd.stopped:
                     self.engine.abort(ro.request_id)
                     out.finish_reason, out.stop_reason = "stop", upd.stop_string

@@ -611,3 +611,24 @@ def test_random_stops_match_a_character_scan(kind, toks):
                 stops.append("zq" * rng.randrange(1, 3))
         chunks = [rng.choice([1, 2, 5]) for _ in range(3)]
         _check_stop_run(tok, ids, stops, chunks)
+
+
+@pytest.mark.parametrize("kind", ["tiny_model", "byte_level"])
+def test_several_tokens_at_once_keep_only_those_up_to_the_stop(kind, toks):
+    """Speculative decoding hands over several tokens a step: the output ends at the token
+    that completes the stop string, as when they come one a step."""
+    tok = toks[kind]
+    ids = tok.encode(SENTENCE, add_special_tokens=False)
+    one_by_one = IncrementalDetokenizer(tok, stop=("lazy",))
+    n = next(i for i, token in enumerate(ids, 1) if one_by_one.update([token]).stopped)
+    for size in (2, 3, 5):
+        detok = IncrementalDetokenizer(tok, stop=("lazy",))
+        kept, text = [], ""
+        for start in range(0, len(ids), size):
+            upd = detok.update(ids[start:start + size])
+            kept += ids[start:start + size][:upd.num_tokens]
+            text += upd.text_delta
+            if upd.stopped:
+                break
+        assert kept == ids[:n], size
+        assert text == one_by_one.output_text == "The quick brown fox jumps over the "

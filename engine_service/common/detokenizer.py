@@ -25,6 +25,9 @@ class DetokenizerUpdate:
     text_delta: str
     stopped: bool = False
     stop_string: str | None = None
+    # Of the tokens given, those the output keeps: fewer only when a stop string ended
+    # before the last of them (several tokens come at once under speculative decoding).
+    num_tokens: int = 0
 
 
 class IncrementalDetokenizer:
@@ -59,8 +62,18 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         if self.stopped:
             return DetokenizerUpdate("", True, self.stop_string)
+        if len(new_token_ids) > 1 and self.stop:
+            # One token at a time, so a stop string ends the output at the token that
+            # completes it, as when tokens come one a step.
+            deltas = []
+            for n, token in enumerate(new_token_ids, 1):
+                upd = self._emit(self._decode_new([token]), final=False, num_tokens=n)
+                deltas.append(upd.text_delta)
+                if upd.stopped:
+                    break
+            return DetokenizerUpdate("".join(deltas), upd.stopped, upd.stop_string, n)
         new_text = self._decode_new(new_token_ids) if new_token_ids else ""
-        return self._emit(new_text, final=False)
+        return self._emit(new_text, final=False, num_tokens=len(new_token_ids))
 
     def finish(self) -> str:
         """The request ended for another reason: release all held text (a stop string it
@@ -125,7 +138,7 @@ class IncrementalDetokenizer:
                 return delta
         return ""
 
-    def _emit(self, new_text: str, final: bool) -> DetokenizerUpdate:
+    def _emit(self, new_text: str, final: bool, num_tokens: int = 0) -> DetokenizerUpdate:
         # Sent text never holds the start of a stop string (that part is held), so a match can
         # only lie in held + new text: the search never looks at the whole output.
         text = self._held + new_text
@@ -139,7 +152,7 @@ class IncrementalDetokenizer:
             delta, self._held = text[:len(text) - keep], text[len(text) - keep:]
         if delta:
             self._sent.append(delta)
-        return DetokenizerUpdate(delta, self.stopped, self.stop_string)
+        return DetokenizerUpdate(delta, self.stopped, self.stop_string, num_tokens)
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:
         """(start, stop string) of the one ending first in `text` (ties: the longer), as a

@@ -102,9 +102,17 @@ def _replayed_stats(prompt: list[int], output: list[int]) -> SpecDecodeStats:
         while kept < len(proposal) and proposal[kept] == output[n + kept]:
             kept += 1
         if proposal:
-            stats.add(SpecDecodeStats(1, len(proposal), kept, [1] * kept + [0] * (K - kept)))
+            stats = _plus(stats, SpecDecodeStats(1, len(proposal), kept,
+                                                 [1] * kept + [0] * (K - kept)))
         n += kept + 1
     return stats
+
+
+def _plus(a: SpecDecodeStats, b: SpecDecodeStats) -> SpecDecodeStats:
+    return SpecDecodeStats(a.num_drafts + b.num_drafts, a.num_draft_tokens + b.num_draft_tokens,
+                           a.num_accepted_tokens + b.num_accepted_tokens,
+                           [x + y for x, y in zip(a.accepted_per_pos, b.accepted_per_pos,
+                                                  strict=True)])
 
 
 def _minus(after: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeStats:
@@ -130,7 +138,7 @@ def test_spec_decode_counters_match_what_the_requests_did(engines, tiny_model_di
     assert per_pos == sorted(per_pos, reverse=True)  # a kept proposal follows kept ones
     expected = SpecDecodeStats(accepted_per_pos=[0] * K)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        expected.add(_replayed_stats(prompt, output))
+        expected = _plus(expected, _replayed_stats(prompt, output))
     assert grew == expected
 
     # Speculation changes no token; an engine without it exports no spec_decode series.

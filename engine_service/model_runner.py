@@ -448,7 +448,6 @@ class ModelRunner:
         steps: list[int] = []
         suppress: list[tuple[int, int]] = []
         bias: list[tuple[int, int, float]] = []
-        histories: list[tuple[object, list[int]]] = []  # (row item, proposals before it)
         any_mask = False
         row = 0
         for item in rows:  # one pass: this runs for every row of every step
@@ -457,29 +456,28 @@ class ModelRunner:
             constraint = seq.constraint
             if constraint is not None:
                 any_mask = True
-            # A grammar decides when its stop token may come; min_tokens yields to it.
-            min_tokens = sp.min_tokens if constraint is None or constraint.matcher is None \
-                else 0
+            first = item.output_index
             spec = item.spec_token_ids
-            for j in range(len(spec) + 1):
-                step = item.output_index + j
+            for step in range(first, first + len(spec) + 1) if spec else (first,):
                 params.append(sp)
                 seeds.append(seq.seed)
                 steps.append(step)
-                if step < min_tokens:
+                # A grammar decides when its stop token may come; min_tokens yields to it.
+                if step < sp.min_tokens and (constraint is None or constraint.matcher is None):
                     banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else eos_token_ids)
                     suppress.extend((row, t) for t in banned if t < self.vocab_size)
                 if sp.logit_bias:
                     bias.extend((row, t, b) for t, b in sp.logit_bias.items())
-                histories.append((item, spec[:j]))
                 row += 1
         prompts = outputs = None
         if any(p.uses_penalties for p in params):  # only penalty rows read their history
-            pairs = list(zip(params, histories, strict=True))
-            prompts = [item.seq.prompt_token_ids if p.uses_penalties else []
-                       for p, (item, _) in pairs]
-            outputs = [item.seq.output_token_ids + list(before) if p.uses_penalties else []
-                       for p, (item, before) in pairs]
+            prompts, outputs = [], []
+            for item in rows:
+                seq, spec = item.seq, item.spec_token_ids
+                used = seq.sampling_params.uses_penalties
+                for j in range(len(spec) + 1):  # a proposal's history holds those before it
+                    prompts.append(seq.prompt_token_ids if used else [])
+                    outputs.append(seq.output_token_ids + list(spec[:j]) if used else [])
         return SamplingTensors.build(params, seeds, steps, prompts, outputs, suppress,
                                      self.vocab_size, self.device, bias, any_mask)
 

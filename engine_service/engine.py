@@ -15,6 +15,7 @@ from engine_service.block_manager import BlockManager, KvEvent
 from engine_service.common.block_hash import HASH_SCHEME
 from engine_service.common.sampling_params import (
     SamplingParams,
+    check_diffusion_request,
     validate_prompt,
     validate_token_controls,
 )
@@ -48,6 +49,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_forward_passes: int = 0  # diffusion engines: passes the request has taken
 
 
 @dataclass
@@ -82,6 +84,10 @@ class LLMEngine:
         self.config = config
         self.model_runner = ModelRunner(config)
         mc = self.model_runner.model_config
+        if mc.is_diffusion:
+            self.model_runner.shutdown()
+            raise ValueError(f"{mc.architecture} is a diffusion model: offline LLM(...) "
+                             f"serves it; the gRPC engine serves autoregressive models only")
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(mc.eos_token_id)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.kv_block_size)
@@ -105,6 +111,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceT[int],
                     sampling_params: SamplingParams, priority: int = 0) -> Sequence:
+        check_diffusion_request(sampling_params, diffusion_engine=False)
         validate_prompt(prompt_token_ids, self.config.max_model_len, self.vocab_size)
         validate_token_controls(sampling_params, self.vocab_size)
         grammar = self.structured.check(sampling_params)

@@ -14,7 +14,7 @@ from engine_service.common.detokenizer import IncrementalDetokenizer
 from engine_service.common.sampling_params import SamplingParams, check_field
 from engine_service.common.tokenizer import Tokenizer
 from engine_service.config import EngineConfig
-from engine_service.engine import LLMEngine
+from engine_service.engines import make_engine
 
 Prompt = str | list[int]
 
@@ -34,7 +34,7 @@ class CompletionOutput:
 class LLM:
     def __init__(self, model: str, **engine_config):
         self.config = EngineConfig(model=model, **engine_config)
-        self.engine = LLMEngine(self.config)
+        self.engine = make_engine(self.config)
         # A --load-format dummy directory may hold only config.json: token-id prompts only.
         has_tok = os.path.isfile(os.path.join(model, "tokenizer.json"))
         self.tokenizer = Tokenizer.from_dir(model) if has_tok else None

@@ -218,7 +218,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up()
         self.graph_runner = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Decode graphs serve autoregressive models: a diffusion pass is a whole canvas.
+        if self.device.type == "cuda" and not (config.enforce_eager
+                                               or self.model_config.is_diffusion):
             from engine_service.cuda_graphs import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self)
@@ -297,7 +299,7 @@ class ModelRunner:
         variants, torch.compile's dynamic shapes). Writes KV only into blocks no sequence
         owns yet."""
         attn = self.model.attention_layers()[0]
-        self.backend.warm_up(attn.kv_cache, attn.num_heads)
+        self.backend.warm_up(attn.kv_cache, attn.num_heads, causal=attn.causal)
         for query_lens, seq_lens in self._WARM_UP_BATCHES:
             seq_lens = [min(n, self.config.max_model_len) for n in seq_lens]
             query_lens = [min(q, n) for q, n in zip(query_lens, seq_lens, strict=True)]

@@ -12,10 +12,35 @@ from models.layers.rotary import check_rope_scaling
 
 DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LLaDAModelLM",
+                           "DreamModel")
+# Masked-diffusion LLMs: bidirectional attention, decoding by unmasking `mask_token_id`s.
+DIFFUSION_ARCHITECTURES = ("LLaDAModelLM", "DreamModel")
 # Families whose q/k/v projections always carry biases (their configs do not say so) and
 # whose o_proj never has one; elsewhere attention_bias sets all four.
-_QKV_BIAS_ALWAYS = ("Qwen2ForCausalLM",)
+_QKV_BIAS_ALWAYS = ("Qwen2ForCausalLM", "DreamModel")
+# DreamConfig's mask token when config.json names none.
+_DREAM_MASK_TOKEN_ID = 151666
+# configuration_llada.py's ModelConfig defaults, which a LLaDA config.json key takes when it is
+# absent: several of them select another architecture, which from_dir then refuses.
+_LLADA_DEFAULTS: dict[str, object] = {
+    "n_kv_heads": None, "multi_query_attention": None, "mlp_ratio": 4, "mlp_hidden_size": None,
+    "activation_type": "swiglu", "block_type": "sequential", "block_group_size": 1,
+    "alibi": False, "rope": False, "attention_layer_norm": False, "input_emb_norm": False,
+    "layer_norm_type": "default", "layer_norm_with_affine": True, "bias_for_layer_norm": None,
+    "include_bias": False, "include_qkv_bias": False, "scale_logits": False,
+    "rms_norm_eps": 1e-5, "max_sequence_length": 1024, "rope_theta": 10000.0,
+    "vocab_size": 50257, "embedding_size": 50304, "weight_tying": True,
+    "mask_token_id": 50256,
+}
+# LLaDA's switches and the one setting of each that nanoserve runs (Llama's block: RMSNorm,
+# SwiGLU through ff_proj/up_proj, RoPE, no biases but optional q/k/v ones).
+_LLADA_SUPPORTED: dict[str, object] = {
+    "block_type": "llama", "activation_type": "silu", "layer_norm_type": "rms", "rope": True,
+    "alibi": False, "attention_layer_norm": False, "input_emb_norm": False,
+    "scale_logits": False, "include_bias": False, "layer_norm_with_affine": True,
+    "block_group_size": 1,
+}
 
 
 def _as_int_list(value: object) -> list[int]:
@@ -83,6 +108,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # Diffusion LLMs (LLaDA, Dream): False builds bidirectional attention; the engine fills
+    # the positions it decodes with mask_token_id.
+    causal: bool = True
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -118,6 +147,11 @@ class ModelConfig:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"config eos_token_id {tok} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
+        if self.is_diffusion and self.mask_token_id is None:
+            raise ValueError(f"config mask_token_id must be set for {self.architecture}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"config mask_token_id {self.mask_token_id} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
 
     def _check_moe(self) -> None:
         for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
@@ -131,6 +165,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_diffusion(self) -> bool:
+        """A masked-diffusion LLM (LLaDA, Dream): the autoregressive engine cannot serve it."""
+        return self.architecture in DIFFUSION_ARCHITECTURES
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Qwen3-MoE's rule: a sparse MLP every decoder_sparse_step layers, except the
@@ -151,18 +190,22 @@ class ModelConfig:
             raise ValueError(f"config architectures must name one architecture, got "
                              f"{architectures}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         arch = architectures[0]
-        if raw.get("mlp_bias"):
-            raise ValueError("config mlp_bias=true is not supported; supported: false")
-        window = _sliding_window(raw)
-        if window is not None:
-            raise ValueError(f"config sliding_window={window} asks for sliding-window "
-                             f"attention, which is not supported; supported: full attention "
-                             f"(sliding_window null or use_sliding_window false)")
         eos = _as_int_list(raw.get("eos_token_id"))
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
             gen_eos = _as_int_list(json.loads(gen_path.read_text()).get("eos_token_id"))
             eos += [t for t in gen_eos if t not in eos]
+        if arch == "LLaDAModelLM":
+            return cls(**_llada_fields(raw), eos_token_id=eos)
+        if raw.get("mlp_bias"):
+            raise ValueError("config mlp_bias=true is not supported; supported: false")
+        if arch == "DreamModel":
+            raw = _dream_raw(raw)
+        window = _sliding_window(raw)
+        if window is not None:
+            raise ValueError(f"config sliding_window={window} asks for sliding-window "
+                             f"attention, which is not supported; supported: full attention "
+                             f"(sliding_window null or use_sliding_window false)")
         heads = int(raw["num_attention_heads"])
         attention_bias = bool(raw.get("attention_bias", False))
         num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
@@ -192,4 +235,79 @@ class ModelConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
             mlp_only_layers=_as_int_list(raw.get("mlp_only_layers")),
+            causal=arch not in DIFFUSION_ARCHITECTURES,
+            mask_token_id=raw["mask_token_id"] if arch in DIFFUSION_ARCHITECTURES else None,
         )
+
+
+def _dream_raw(raw: dict) -> dict:
+    """A Dream config.json as from_dir reads it, with DreamConfig's defaults (use_sliding_window
+    false, mask_token_id 151666); DreamModel sizes its heads hidden_size / heads whatever
+    head_dim says, so a different head_dim is refused."""
+    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise ValueError(f"config head_dim={head_dim} is not supported for DreamModel, whose "
+                         f"heads are hidden_size / num_attention_heads = {hidden // heads} "
+                         f"wide; supported: null or {hidden // heads}")
+    return {"use_sliding_window": False, "mask_token_id": _DREAM_MASK_TOKEN_ID, **raw}
+
+
+def _llada_fields(raw: dict) -> dict:
+    """ModelConfig fields (eos aside) from LLaDA's OLMo-style config.json: d_model, n_heads,
+    n_kv_heads, n_layers, mlp_hidden_size (or mlp_ratio x d_model), embedding_size (or
+    vocab_size), max_sequence_length, weight_tying, include_qkv_bias, mask_token_id, ..."""
+    missing = [k for k in ("d_model", "n_heads", "n_layers") if raw.get(k) is None]
+    if missing:
+        raise ValueError(f"config has no {', '.join(missing)}: not a LLaDA config.json")
+    cfg = {**_LLADA_DEFAULTS, **raw}
+    for key, supported in _LLADA_SUPPORTED.items():
+        if cfg[key] != supported:
+            raise ValueError(f"config {key}={json.dumps(cfg[key])} is not supported for "
+                             f"LLaDAModelLM; supported: {json.dumps(supported)}")
+    if cfg["bias_for_layer_norm"]:
+        raise ValueError("config bias_for_layer_norm=true is not supported for LLaDAModelLM; "
+                         "supported: false or null")
+    d_model, heads = int(cfg["d_model"]), int(cfg["n_heads"])
+    if d_model % heads:
+        raise ValueError(f"config d_model ({d_model}) must be a multiple of n_heads ({heads})")
+    kv_heads = _llada_kv_heads(cfg, heads)
+    vocab = int(cfg["vocab_size"])
+    embedding_size = int(cfg["embedding_size"] or vocab)
+    if embedding_size < vocab:
+        raise ValueError(f"config embedding_size ({embedding_size}) must be at least "
+                         f"vocab_size ({vocab})")
+    mlp_hidden = cfg["mlp_hidden_size"]
+    return dict(
+        architecture="LLaDAModelLM",
+        # The embedding and the output layer have embedding_size rows (vocab_size padded).
+        vocab_size=embedding_size,
+        hidden_size=d_model,
+        # ff_proj (the gate) and up_proj are mlp_hidden_size wide: SiLU halves nothing.
+        intermediate_size=int(mlp_hidden if mlp_hidden is not None
+                              else int(cfg["mlp_ratio"]) * d_model),
+        num_hidden_layers=int(cfg["n_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d_model // heads,
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        rope_theta=float(cfg["rope_theta"]),
+        max_position_embeddings=int(cfg["max_sequence_length"]),
+        tie_word_embeddings=bool(cfg["weight_tying"]),
+        dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        attention_bias=bool(cfg["include_qkv_bias"]),
+        causal=False,
+        mask_token_id=int(cfg["mask_token_id"]),
+    )
+
+
+def _llada_kv_heads(cfg: dict, heads: int) -> int:
+    """configuration_llada.py's effective_n_kv_heads: n_kv_heads, else one head under
+    multi_query_attention, else n_heads; both set must agree."""
+    kv_heads, mqa = cfg["n_kv_heads"], cfg["multi_query_attention"]
+    if kv_heads is None:
+        return 1 if mqa else heads
+    if mqa is not None and int(kv_heads) != (1 if mqa else heads):
+        raise ValueError(f"config n_kv_heads={kv_heads} contradicts "
+                         f"multi_query_attention={json.dumps(mqa)}")
+    return int(kv_heads)

@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         self.qk_norm_eps = config.rms_norm_eps  # of Qwen3's q/k norm, where there is one
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim,
-                              scale=head_dim**-0.5, backend=backend)
+                              scale=head_dim**-0.5, backend=backend, causal=config.causal)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-head RMSNorm weights for q and k, applied before rotary (Qwen3); none here."""
@@ -128,6 +128,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # Logits at position i score the token at i + 1 (a diffusion family may score i).
+    predicts_next_token = True
     # Checkpoint module name -> (fused module name, shard id), for models.loader.
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),

@@ -1,11 +1,14 @@
 """Load Hugging Face safetensors checkpoints into the (tensor-parallel) model: each tensor is
 opened lazily and handed to its parameter's `weight_loader`, which reads only this rank's shard;
-separate projections map onto fused parameters through the model's `packed_modules_mapping`.
+a family whose checkpoint names its modules otherwise (LLaDA) renames them to Llama's through
+its `weights_mapper`, and separate projections map onto fused parameters through the model's
+`packed_modules_mapping`.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,6 +20,42 @@ from models.layers.layernorm import RMSNorm
 from models.parallel import WeightSource, check_shape, full_weight
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class WeightsMapper:
+    """Checkpoint tensor names -> the model's (HF Llama-style) names: the first matching prefix
+    rule, then the first matching substring rule. With prefix rules, a name under none of them
+    is not the family's (None: unexpected). Each side of a rule must be unique, so
+    `to_checkpoint` undoes `to_model` (errors name tensors as the checkpoint does)."""
+
+    orig_to_new_prefix: dict[str, str] = field(default_factory=dict)
+    orig_to_new_substr: dict[str, str] = field(default_factory=dict)
+
+    def to_model(self, name: str) -> str | None:
+        return self._map(name, list(self.orig_to_new_prefix.items()),
+                         list(self.orig_to_new_substr.items()))
+
+    def to_checkpoint(self, name: str) -> str:
+        mapped = self._map(name, [(new, old) for old, new in self.orig_to_new_prefix.items()],
+                           [(new, old) for old, new in self.orig_to_new_substr.items()])
+        return mapped or name
+
+    @staticmethod
+    def _map(name: str, prefixes: list[tuple[str, str]],
+             substrings: list[tuple[str, str]]) -> str | None:
+        if prefixes:
+            rule = next(((o, n) for o, n in prefixes if name.startswith(o)), None)
+            if rule is None:
+                return None
+            name = rule[1] + name[len(rule[0]):]
+        for old, new in substrings:
+            if old in name:
+                return name.replace(old, new, 1)
+        return name
+
+
+_IDENTITY = WeightsMapper()
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: WeightSource,
@@ -85,6 +124,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`; ValueError names
     the missing, unexpected or misshapen tensors."""
     mapping: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
+    mapper: WeightsMapper = getattr(model, "weights_mapper", None) or _IDENTITY
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed
@@ -94,11 +134,15 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if tied and hf_name == "lm_head.weight":
+                model_name = mapper.to_model(hf_name)
+                if model_name is None:
+                    unexpected.append(hf_name)
+                    continue
+                if tied and model_name == "lm_head.weight":
                     continue  # some tied checkpoints store the copy anyway
                 if "rotary_emb.inv_freq" in hf_name:
                     continue  # old checkpoints saved this recomputed buffer
-                name, shard_id = _target(hf_name, mapping)
+                name, shard_id = _target(model_name, mapping)
                 param = params.get(name)
                 if param is None or (name, shard_id) not in expected:
                     unexpected.append(hf_name)
@@ -112,7 +156,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 except ValueError as exc:
                     raise ValueError(f"{path.name}: tensor {hf_name!r}: {exc}") from exc
                 loaded.add((name, shard_id))
-    missing = sorted(src for key, src in expected.items() if key not in loaded)
+    missing = sorted(mapper.to_checkpoint(src) for key, src in expected.items()
+                     if key not in loaded)
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.dream import DreamModel
+from models.llada import LLaDAModelLM
 from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from models.loader import init_dummy_weights, load_weights
 from models.qwen3 import Qwen3ForCausalLM
@@ -17,6 +19,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "LLaDAModelLM": LLaDAModelLM,
+    "DreamModel": DreamModel,
 }
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
 

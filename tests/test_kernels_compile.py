@@ -139,7 +139,7 @@ _ATTN_LAYOUTS = (
 
 
 def _attention_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    launch: pa.AttentionLaunch, block_size: int) -> Case:
+                    launch: pa.AttentionLaunch, block_size: int, causal: bool = True) -> Case:
     """paged_attention's launch over a contiguous [T, H, D] query and a [blocks,
     block_size, Hkv, D] cache (block_size 1: forward_no_cache's view of the step's K/V)."""
     nq = num_heads // num_kv_heads
@@ -157,7 +157,7 @@ def _attention_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
             NUM_Q_PER_KV=nq, GROUP_PAD=group_pad, BLOCK_Q=launch.block_q, BLOCK_M=block_m,
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=launch.num_splits,
             MERGE_ROWS=pa._merge_rows(block_m, head_dim, launch),
-            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", CAUSAL=causal),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         ints=dict(num_heads=num_heads, block_size=block_size,
                   stride_qt=num_heads * head_dim, stride_qh=head_dim,
@@ -187,6 +187,15 @@ def _attention_cases() -> list[Any]:
             case = _attention_case(heads, kv_heads, head_dim, dtype, v, block_size=1)
             cases.append(pytest.param(
                 case, id=f"paged_attention-qwen3-0.6b-block1-q{v.block_q}-s{v.num_splits}"))
+    # Diffusion models (LLaDA-8B's heads) attend without the causal mask, on prefill tiles.
+    heads, kv_heads, head_dim = 32, 32, 128
+    _, prefill_q = pa._block_qs(pa._group_pad(1))
+    for v in pa.launch_variants(1, torch.bfloat16):
+        if v.block_q == prefill_q:
+            case = _attention_case(heads, kv_heads, head_dim, torch.bfloat16, v, block_size=16,
+                                   causal=False)
+            cases.append(pytest.param(
+                case, id=f"paged_attention-llada-8b-non-causal-q{v.block_q}-s{v.num_splits}"))
     return cases
 
 

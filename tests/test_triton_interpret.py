@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 CHECKS = ["store_kv", "backend", "launches", "split_merge", "split_counters_reused",
-          "split_matches_unsplit", "counter_picks_merger", "split_len"]
+          "split_matches_unsplit", "counter_picks_merger", "split_len", "non_causal"]
 
 
 @pytest.fixture(scope="module", params=[4, 16], ids=lambda bs: f"block_size={bs}")
@@ -302,10 +302,78 @@ def _main(block_size: int) -> None:
                 assert written.tolist() == [1 < num_parts > s for s in range(8)], (
                     min_len, ctx, written)
 
+    def full_reference(q, k, v, scale):  # every query over every key: [L, H, D] f64
+        group = q.shape[1] // k.shape[1]
+        k = k.double().repeat_interleave(group, 1)
+        v = v.double().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+    def non_causal_batch(rows, heads, kv_heads, dim):
+        """rows: (context length, first query position, query length). The cache holds the
+        whole context's K/V (a diffusion step's block may sit in its middle); the metadata
+        is the usual one, which takes the queries for the context's last tokens."""
+        need = [-(-n // block_size) for n, _, _ in rows]
+        num_blocks = sum(need) + 2
+        perm = torch.randperm(num_blocks).tolist()
+        tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(rows))]
+        kv_cache = torch.full((2, num_blocks, block_size, kv_heads, dim), nan)
+        flat = kv_cache.view(2, -1, kv_heads, dim)
+        qs, refs = [], []
+        for (seq_len, start, q_len), table in zip(rows, tables, strict=True):
+            assert start >= 0 and start + q_len <= seq_len
+            k, v = torch.randn(seq_len, kv_heads, dim), torch.randn(seq_len, kv_heads, dim)
+            slots = [table[pos // block_size] * block_size + pos % block_size
+                     for pos in range(seq_len)]
+            flat[0, slots], flat[1, slots] = k, v
+            q = torch.randn(q_len, heads, dim)
+            qs.append(q)
+            refs.append(full_reference(q, k, v, dim**-0.5))
+        meta = make_attention_metadata([q for _, _, q in rows], [n for n, _, _ in rows], tables,
+                                       block_size)
+        return torch.cat(qs), kv_cache, meta, torch.cat(refs)
+
+    def check_non_causal():
+        # Decode rows first (their own launch, split-KV with few SMs), then blocks in the
+        # middle, at the start, at the end and across block edges of their contexts.
+        rows = [(37, 20, 1), (70, 0, 1), (20, 5, 6), (1, 0, 1), (9, 0, 9),
+                (2 * block_size + 3, block_size, 3), (40, 33, 7)]
+        decode = [(37, 20, 1), (150, 3, 1), (5, 4, 1), (1, 0, 1)]
+        for (heads, kv_heads, dim), batch in [*((layout, rows) for layout in layouts),
+                                              (layouts[0], decode)]:
+            q, kv_cache, meta, ref = non_causal_batch(batch, heads, kv_heads, dim)
+            out = torch.full_like(q, nan)
+            TritonAttentionBackend(num_sms=8).forward(q, kv_cache, meta, dim**-0.5, out=out,
+                                                      causal=False)
+            err = rel_err(out, ref, meta)
+            assert err < 1e-4, (heads, kv_heads, dim, batch, err)
+        heads, kv_heads, dim = layouts[0]
+        scale = dim**-0.5
+        q, kv_cache, meta, ref = non_causal_batch(rows, heads, kv_heads, dim)
+        causal = TritonAttentionBackend().forward(q, kv_cache, meta, scale)
+        assert rel_err(causal, ref, meta) > 1e-2, "causal=False changed nothing"
+        for block_q, splits in ((16, 4), (32, 2)):  # prefill tiles, split-KV
+            launch = AttentionLaunch(block_q=block_q, block_n=16, num_splits=splits)
+            out = torch.full_like(q, nan)
+            workspace = tuple(torch.full_like(w, nan) for w in split_workspace(
+                q.shape[0], heads, splits, dim, q.device))  # every partial must be written
+            paged_attention(q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.seq_lens,
+                            meta.block_tables, scale, launch, out=out, workspace=workspace,
+                            counters=split_counters(64, "cpu"), causal=False)
+            err = rel_err(out, ref, meta)
+            assert err < 1e-4, (block_q, splits, err)
+        # No cache yet: each row's queries are all of its tokens.
+        q, kv_cache, meta, ref = non_causal_batch([(n, 0, n) for n in (7, 1, 13)], heads,
+                                                  kv_heads, dim)
+        flat = kv_cache.view(2, -1, kv_heads, dim)
+        key, value = flat[0, meta.slot_mapping], flat[1, meta.slot_mapping]
+        out = TritonAttentionBackend().forward_no_cache(q, key, value, meta, scale, causal=False)
+        assert rel_err(out, ref, meta) < 1e-4, "no_cache"
+
     run_checks(list(zip(CHECKS, [check_store_kv, check_backend, check_launches,
                                  check_split_merge, check_split_counters_reused,
                                  check_split_matches_unsplit, check_counter_picks_merger,
-                                 check_split_len],
+                                 check_split_len, check_non_causal],
                         strict=True)))
 
 

@@ -56,6 +56,67 @@ def validate_token_controls(params: SamplingParams, vocab_size: int) -> None:
         check_field(not bad, name, f"token ids in [0, {vocab_size})", bad[:5])
 
 
+REMASKING = ("low_confidence", "random")
+DLLM_CACHES = ("none", "prefix", "dual")
+
+
+@dataclass
+class DiffusionParams:
+    """How a diffusion model (LLaDA, Dream) fills `gen_length` masked positions: in
+    `gen_length / block_length` blocks, left to right, each over `steps / num_blocks`
+    forward passes that unmask the positions `remasking` ranks first (the most confident
+    prediction, or random ones), or with `confidence_threshold` every position above it
+    (at least one a pass: Fast-dLLM's parallel decoding). `temperature` adds Gumbel noise
+    to the predictions; `cfg_scale` > 0 guides them against a pass with the prompt masked.
+    `dllm_cache`: Fast-dLLM's approximate caches, refreshed at each block boundary.
+    `head_retention_ratio` < 1 keeps that share of attention heads after
+    `head_delay_step` passes of a block (dLLM-Serve's head sparsity)."""
+
+    gen_length: int = 128
+    steps: int = 128
+    block_length: int = 32
+    remasking: str = "low_confidence"
+    temperature: float = 0.0
+    cfg_scale: float = 0.0
+    confidence_threshold: float | None = None
+    dllm_cache: str = "none"
+    head_retention_ratio: float = 1.0
+    head_delay_step: int = 1
+
+    def __post_init__(self) -> None:
+        check_field(isinstance(self.gen_length, int) and self.gen_length >= 1, "gen_length",
+                    ">= 1", self.gen_length)
+        check_field(isinstance(self.block_length, int)
+                    and 1 <= self.block_length <= self.gen_length
+                    and self.gen_length % self.block_length == 0, "block_length",
+                    f"a divisor of gen_length={self.gen_length}", self.block_length)
+        num_blocks = self.gen_length // self.block_length
+        check_field(isinstance(self.steps, int) and self.steps >= num_blocks
+                    and self.steps % num_blocks == 0, "steps",
+                    f"a positive multiple of the number of blocks ({num_blocks})", self.steps)
+        check_field(self.remasking in REMASKING, "remasking", f"one of {REMASKING}",
+                    self.remasking)
+        check_field(self.temperature >= 0, "temperature", ">= 0 (0: no Gumbel noise)",
+                    self.temperature)
+        check_field(self.cfg_scale >= 0, "cfg_scale", ">= 0 (0: off)", self.cfg_scale)
+        check_field(self.confidence_threshold is None or 0 < self.confidence_threshold <= 1,
+                    "confidence_threshold", "in (0, 1] or unset", self.confidence_threshold)
+        check_field(self.dllm_cache in DLLM_CACHES, "dllm_cache", f"one of {DLLM_CACHES}",
+                    self.dllm_cache)
+        check_field(0 < self.head_retention_ratio <= 1, "head_retention_ratio",
+                    "in (0, 1] (1: every head)", self.head_retention_ratio)
+        check_field(isinstance(self.head_delay_step, int) and self.head_delay_step >= 0,
+                    "head_delay_step", ">= 0", self.head_delay_step)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; defaults follow vLLM's SamplingParams.
@@ -87,6 +148,8 @@ class SamplingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # Diffusion engines only (LLaDA, Dream): how the canvas is decoded.
+    diffusion: DiffusionParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -175,3 +238,24 @@ class SamplingParams:
         """Sampling reads the output history (and the prompt's tokens)."""
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)
+
+
+# What a diffusion engine reads of SamplingParams besides `diffusion`; everything else shapes
+# autoregressive sampling and must keep its default there.
+_DIFFUSION_FIELDS = frozenset({"seed", "stop", "stop_token_ids", "ignore_eos",
+                               "skip_special_tokens", "diffusion"})
+
+
+def check_diffusion_request(params: SamplingParams, diffusion_engine: bool) -> None:
+    """ValueError naming the first field that does not apply to this kind of engine."""
+    if not diffusion_engine:
+        check_field(params.diffusion is None, "diffusion",
+                    "unset: this engine's model is autoregressive", "DiffusionParams(...)")
+        return
+    defaults = SamplingParams()
+    for name in SamplingParams.__dataclass_fields__:
+        if name not in _DIFFUSION_FIELDS and getattr(params, name) != getattr(defaults, name):
+            raise ValueError(f"{name} applies to autoregressive models; this engine serves a "
+                             f"diffusion model: leave it unset and use diffusion "
+                             f"(gen_length, steps, block_length, temperature, ...), got "
+                             f"{quote(getattr(params, name))}")

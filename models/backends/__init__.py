@@ -1,8 +1,10 @@
 """Attention backends: one interface, picked by name.
 
-A backend has `.name`, `store_kv(key, value, kv_cache, slot_mapping)`,
-`forward(query, kv_cache, meta, scale)`, `forward_no_cache(query, key, value, meta, scale)`
-and `warm_up(kv_cache, num_heads)` (see models/backends/torch_backend.py, the reference).
+A backend has `.name`, `.supports_non_causal`, `store_kv(key, value, kv_cache, slot_mapping)`,
+`forward(query, kv_cache, meta, scale, causal=True)`,
+`forward_no_cache(query, key, value, meta, scale, causal=True)` and
+`warm_up(kv_cache, num_heads, causal=True)` (see models/backends/torch_backend.py, the
+reference). `causal=False` is the bidirectional attention of diffusion LLMs.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 flash-attn's paged kernels read our cache layout as is but need block sizes that are multiples
 of 256; their causal masks align bottom-right, as our queries are each row's last positions.
+With causal=False every query attends to all of its row's keys (diffusion LLMs).
 Decode-only batches use `flash_attn_with_kvcache` (CUDA-graph capturable), mixed batches
 `flash_attn_varlen_func`.
 """
@@ -31,6 +32,7 @@ def _import_flash_attn() -> ModuleType:
 
 class FlashAttnBackend:
     name = "flash-attn"
+    supports_non_causal = True
 
     def __init__(self) -> None:
         self._fa = _import_flash_attn()
@@ -45,7 +47,7 @@ class FlashAttnBackend:
         self._store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, causal: bool = True) -> torch.Tensor:
         """query [T, H, D] -> [T, H, D] over each row's cached context."""
         block_size = kv_cache.shape[2]
         if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
@@ -59,7 +61,7 @@ class FlashAttnBackend:
                 k_cache, v_cache,
                 cache_seqlens=meta.seq_lens,  # [B] int32, includes this step's token
                 block_table=meta.block_tables,
-                softmax_scale=scale, causal=True)
+                softmax_scale=scale, causal=causal)
             return out.squeeze(1)  # [B, H, D]
         # cu_seqlens_k on the device: no host sync; with block_table it only gives lengths.
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
@@ -67,16 +69,17 @@ class FlashAttnBackend:
             query, k_cache, v_cache,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
-            softmax_scale=scale, causal=True, block_table=meta.block_tables)
+            softmax_scale=scale, causal=causal, block_table=meta.block_tables)
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, causal: bool = True) -> None:
         """Nothing to compile ahead of serving."""
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention over each row's own tokens (profiling pass, no cache yet)."""
+                         meta: AttentionMetadata, scale: float,
+                         causal: bool = True) -> torch.Tensor:
+        """Attention over each row's own tokens (profiling pass, no cache yet)."""
         return self._fa.flash_attn_varlen_func(
             query, key, value,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_q,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_query_len,
-            softmax_scale=scale, causal=True)
+            softmax_scale=scale, causal=causal)

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from models.attention_metadata import AttentionMetadata
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """Causal attention of one row in float32: query [q_len, H, D] holds the LAST q_len
-    positions of the context key/value [kv_len, Hkv, D]."""
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+            causal: bool = True) -> torch.Tensor:
+    """Attention of one row in float32 over the context key/value [kv_len, Hkv, D]. Causal:
+    query [q_len, H, D] holds the LAST q_len positions of the context; non-causal: every
+    query attends to all kv_len keys, wherever it sits."""
     q_len, num_heads, _ = query.shape
     kv_len, num_kv_heads, _ = key.shape
     group = num_heads // num_kv_heads
@@ -20,10 +21,12 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # GQA: query head h reads KV head h // group.
     k = key.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, kv_len, D]
     v = value.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, kv_len, D]
-    query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)  # [q_len]
-    key_pos = torch.arange(kv_len, device=query.device)  # [kv_len]
-    # Not is_causal=True: SDPA aligns that mask top-left, wrong when q_len < kv_len.
-    mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, kv_len], True = attend
+    mask = None
+    if causal:
+        query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)  # [q_len]
+        key_pos = torch.arange(kv_len, device=query.device)  # [kv_len]
+        # Not is_causal=True: SDPA aligns that mask top-left, wrong when q_len < kv_len.
+        mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, kv_len], True = attend
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).to(query.dtype)  # [q_len, H, D]
 
@@ -51,15 +54,19 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_non_causal = True
 
     store_kv = staticmethod(store_kv)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """query [T, H, D] -> [T, H, D], attending over each row's cached context."""
+                scale: float, out: torch.Tensor | None = None,
+                causal: bool = True) -> torch.Tensor:
+        """query [T, H, D] -> [T, H, D] (written into `out` when given), attending over each
+        row's cached context: its first seq_lens[b] tokens, all of them when not causal."""
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         seq_lens, cu = _host_lists(meta)
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
         for row, seq_len in enumerate(seq_lens):
             start, end = cu[row], cu[row + 1]
             if end == start:
@@ -69,15 +76,16 @@ class TorchAttentionBackend:
             # [num_blocks, block_size, Hkv, D] -> the first seq_len tokens of the context
             key = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
             value = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            out[start:end] = _attend(query[start:end], key, value, scale)
+            out[start:end] = _attend(query[start:end], key, value, scale, causal)
         return out
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, causal: bool = True) -> None:
         """Nothing to compile ahead of serving."""
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention over each row's own tokens (no cache yet). query [T, H, D],
+                         meta: AttentionMetadata, scale: float,
+                         causal: bool = True) -> torch.Tensor:
+        """Attention over each row's own tokens (no cache yet). query [T, H, D],
         key/value [T, Hkv, D]."""
         _, cu = _host_lists(meta)
         out = torch.empty_like(query)
@@ -85,5 +93,5 @@ class TorchAttentionBackend:
             start, end = cu[row], cu[row + 1]
             if end > start:
                 out[start:end] = _attend(query[start:end], key[start:end],
-                                         value[start:end], scale)
+                                         value[start:end], scale, causal)
         return out

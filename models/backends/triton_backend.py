@@ -42,6 +42,7 @@ def _num_leading_decode_rows(cu_seqlens_q: list[int]) -> int:
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_non_causal = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         self._num_sms = num_sms  # None: ask the device on first use
@@ -70,9 +71,11 @@ class TritonAttentionBackend:
         store_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, out: torch.Tensor | None = None,
+                causal: bool = True) -> torch.Tensor:
         """query [T, H, D] -> [T, H, D] (written into `out` when given). A mixed batch's
-        leading decode rows launch on their own with one-token tiles."""
+        leading decode rows launch on their own with one-token tiles. Non-causal: every
+        query of row b attends to all seq_lens[b] keys of its row."""
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         cu = meta.cu_seqlens_q_cpu
@@ -83,23 +86,23 @@ class TritonAttentionBackend:
             self._launch(query[:num_decode], kv_cache, meta.cu_seqlens_q[:num_decode + 1],
                          meta.seq_lens[:num_decode], meta.block_tables[:num_decode], scale,
                          out[:num_decode], decode_only=True, max_query_len=1,
-                         max_seq_len=meta.max_seq_len)
+                         max_seq_len=meta.max_seq_len, causal=causal)
             self._launch(query[num_decode:], kv_cache, meta.cu_seqlens_q, meta.seq_lens,
                          meta.block_tables, scale, out[num_decode:], decode_only=False,
                          max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                         seq_base=num_decode)
+                         seq_base=num_decode, causal=causal)
         else:
             # Decode launches ignore lengths (see choose_launch): graph replays stay valid.
             self._launch(query, kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                          scale, out, decode_only=num_decode == num_seqs,
                          max_query_len=1 if num_decode == num_seqs else meta.max_query_len,
-                         max_seq_len=meta.max_seq_len)
+                         max_seq_len=meta.max_seq_len, causal=causal)
         return out
 
     def _launch(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                 out: torch.Tensor, *, decode_only: bool, max_query_len: int,
-                max_seq_len: int, seq_base: int = 0) -> None:
+                max_seq_len: int, seq_base: int = 0, causal: bool = True) -> None:
         num_kv_heads = kv_cache.shape[3]
         launch = choose_launch(
             num_tokens=query.shape[0], num_seqs=seq_lens.shape[0] - seq_base,
@@ -109,11 +112,12 @@ class TritonAttentionBackend:
             num_sms=self.num_sms(query.device))
         paged_attention(query, kv_cache[0], kv_cache[1], cu_seqlens_q, seq_lens, block_tables,
                         scale, launch, out=out, seq_base=seq_base,
-                        counters=self.split_kv_counters(query.device))
+                        counters=self.split_kv_counters(query.device), causal=causal)
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, causal: bool = True) -> None:
         """Compile every launch variant for this layout now, not mid-serving (a compile
-        stalls the step for a second). Reads block 0 of kv_cache, writes nothing."""
+        stalls the step for a second), for the model's kind of attention (`causal`: each
+        kind is a kernel of its own). Reads block 0 of kv_cache, writes nothing."""
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         device, dtype = kv_cache.device, kv_cache.dtype
         query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
@@ -124,12 +128,13 @@ class TritonAttentionBackend:
                 head_dim ** -0.5)
         counters = self.split_kv_counters(device)
         for launch in launch_variants(num_heads // num_kv_heads, dtype):
-            paged_attention(*args, launch, counters=counters)
+            paged_attention(*args, launch, counters=counters, causal=causal)
 
     def forward_no_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention over each row's own tokens (profiling pass): key/value act as a
-        cache of block size 1, row b's position i at token cu_seqlens_q[b] + i."""
+                         meta: AttentionMetadata, scale: float,
+                         causal: bool = True) -> torch.Tensor:
+        """Attention over each row's own tokens (profiling pass): key/value act as a cache
+        of block size 1, row b's position i at token cu_seqlens_q[b] + i."""
         num_tokens, num_heads, _ = query.shape
         num_kv_heads = key.shape[1]
         cu = meta.cu_seqlens_q  # [B + 1] int32
@@ -145,4 +150,4 @@ class TritonAttentionBackend:
         # [T, 1, Hkv, D]: one slot per block
         return paged_attention(query, key.unsqueeze(1), value.unsqueeze(1), cu, seq_lens,
                                block_tables, scale, launch,
-                               counters=self.split_kv_counters(query.device))
+                               counters=self.split_kv_counters(query.device), causal=causal)

@@ -3,6 +3,8 @@
 Row b's `q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]` queries are the last positions of its
 `seq_lens[b]`-token context; all K/V (this step's included, stored beforehand) live in the paged
 cache `[num_blocks, block_size, num_kv_heads, head_dim]` at `block_tables[b, pos // block_size]`.
+Non-causal launches (CAUSAL=False, diffusion LLMs) let every query see the row's whole context,
+so there the queries may sit anywhere in it.
 
 Program `(tile, kv_head, split)`: BLOCK_Q tokens x the GQA group sharing `kv_head`, so each K/V
 tile is loaded once per group. The tile's sequence is a binary search over `cu_seqlens_q`, so
@@ -45,7 +47,7 @@ def _paged_attention_kernel(
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr = True,
 ):
     # block_size is a runtime int (one compile for every block size); NUM_SPLITS is
     # compile-time because the merge loads [rows, NUM_SPLITS, HEAD_DIM] tiles.
@@ -78,8 +80,10 @@ def _paged_attention_kernel(
     tile = pid - (q_start // BLOCK_Q + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # tokens cached before this step: query i sits at ctx_len + i
-    # Causal: no row of this tile sees keys past its last query token.
-    kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
+    kv_hi = seq_len  # non-causal: every query sees the whole context
+    if CAUSAL:
+        # No row of this tile sees keys past its last query token.
+        kv_hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_Q)
     if NUM_SPLITS > 1:
         # Partitions of at least min_split_len keys: short contexts take fewer (less merge
         # work), and mixed lengths get work units of similar size.
@@ -122,7 +126,10 @@ def _paged_attention_kernel(
         k = tl.load(k_base + slot[:, None] * stride_k_slot + dims[None, :],
                     mask=n_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if CAUSAL:
+            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
@@ -327,8 +334,10 @@ def paged_attention(
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     counters: torch.Tensor | None = None,  # [>= grid0 * num_kv_heads] int32 zeros
     seq_base: int = 0,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of every query token over its sequence's cached context.
+    """Attention of every query token over its sequence's cached context: causal, or with
+    `causal=False` over all `seq_lens[b]` keys of its row.
 
     The batch is rows `seq_base..` of the metadata; token i of sequence b is query/out row
     `cu_seqlens_q[b] - cu_seqlens_q[seq_base] + i`. Output rows of no sequence are unspecified.
@@ -393,6 +402,7 @@ def paged_attention(
         HEAD_DIM=head_dim, NUM_SPLITS=splits,
         MERGE_ROWS=_merge_rows(block_m, head_dim, launch),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        CAUSAL=causal,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out

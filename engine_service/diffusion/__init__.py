@@ -1,0 +1,1 @@
+"""Masked-diffusion LLMs (LLaDA, Dream): the decoding engine and its unmasking rules."""

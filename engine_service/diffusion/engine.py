@@ -1,0 +1,275 @@
+"""DiffusionEngine: the step loop of a masked-diffusion model (LLaDA, Dream), with the same
+add_request / abort / step interface as LLMEngine.
+
+A request is a canvas, its prompt followed by `gen_length` mask tokens, decoded in blocks left
+to right. Every step is one forward pass over every running request's whole canvas (and,
+with classifier-free guidance, over a twin whose prompt is masked), bidirectional, its KV
+written to the request's paged blocks. A pass predicts each position of a request's current
+block and unmasks some (engine_service/diffusion/unmasking.py); a block whose last mask is
+gone is final and goes out as that request's new tokens. Requests join and leave the batch
+at any step. A request takes the blocks of its whole canvas when admitted, so it never
+needs more and is never preempted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.block_manager import BlockManager
+from engine_service.common.sampling_params import (
+    DiffusionParams,
+    SamplingParams,
+    check_diffusion_request,
+    check_field,
+    validate_prompt,
+)
+from engine_service.config import EngineConfig
+from engine_service.diffusion.unmasking import choose, draw_keys, num_transfer_tokens, predict
+from engine_service.engine import RequestOutput, StepStats
+from engine_service.scheduler import ScheduledSeq
+from engine_service.sequence import Sequence
+from models.host_copy import to_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DiffusionRequest:
+    """One request's decoding state. `seq.token_ids` is the canvas: prompt, then the
+    generated positions (mask_token_id until unmasked); `uncond` is its classifier-free
+    guidance twin (prompt masked), with blocks of its own."""
+
+    seq: Sequence
+    params: DiffusionParams
+    uncond: Sequence | None = None
+    block: int = 0  # the block being decoded
+    schedule: tuple[int, ...] = ()  # unmasks per pass of this block (not under a threshold)
+    pass_in_block: int = 0
+    num_passes: int = 0  # forward passes taken
+
+    @property
+    def block_start(self) -> int:
+        return self.seq.num_prompt_tokens + self.block * self.params.block_length
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [self.seq] if self.uncond is None else [self.seq, self.uncond]
+
+
+class DiffusionEngine:
+    def __init__(self, config: EngineConfig, runner=None):
+        from engine_service.model_runner import ModelRunner
+
+        self.config = config
+        self.model_runner = runner or ModelRunner(config)
+        mc = self.model_runner.model_config
+        if not mc.is_diffusion:
+            raise ValueError(f"{mc.architecture} is not a diffusion model")
+        assert mc.mask_token_id is not None
+        self.mask_token_id = mc.mask_token_id
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = list(mc.eos_token_id)
+        # Dream's logits at i predict the token at i + 1; LLaDA's the token at i.
+        self.shift = int(self.model_runner.model.predicts_next_token)
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.kv_block_size)
+        self.waiting: deque[DiffusionRequest] = deque()
+        self.running: list[DiffusionRequest] = []
+        self.speculator = None  # the core process asks every engine for one
+        self.total_stats = StepStats(num_steps=0)  # forward tokens, tokens out; LLM's bar
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: SequenceT[int],
+                    sampling_params: SamplingParams, priority: int = 0) -> Sequence:
+        check_diffusion_request(sampling_params, diffusion_engine=True)
+        params = sampling_params.diffusion or DiffusionParams()
+        validate_prompt(prompt_token_ids, self.config.max_model_len - params.gen_length + 1,
+                        self.vocab_size)
+        length = len(prompt_token_ids) + params.gen_length
+        rows = 2 if params.cfg_scale > 0 else 1
+        check_field(rows * length <= self.config.max_num_batched_tokens, "gen_length",
+                    f"at most max_num_batched_tokens={self.config.max_num_batched_tokens} "
+                    f"tokens with the prompt{' (twice, with cfg_scale)' if rows == 2 else ''}",
+                    params.gen_length)
+        if self.get(request_id) is not None:
+            raise ValueError(f"request_id must be unique among requests in flight, "
+                             f"got duplicate {request_id!r}")
+        canvas = list(prompt_token_ids) + [self.mask_token_id] * params.gen_length
+        seq = Sequence(request_id, canvas, sampling_params, priority=priority)
+        seq.num_prompt_tokens = len(prompt_token_ids)
+        uncond = None
+        if params.cfg_scale > 0:
+            masked = [self.mask_token_id] * len(prompt_token_ids) + canvas[len(prompt_token_ids):]
+            uncond = Sequence(f"{request_id}/uncond", masked, sampling_params)
+            uncond.num_prompt_tokens = seq.num_prompt_tokens
+        self.waiting.append(DiffusionRequest(seq, params, uncond))
+        return seq
+
+    def get(self, request_id: str) -> DiffusionRequest | None:
+        for req in (*self.running, *self.waiting):
+            if req.seq.seq_id == request_id:
+                return req
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        req = self.get(request_id)
+        if req is None:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+            self._free(req)
+        else:
+            self.waiting.remove(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def shutdown(self) -> None:
+        self.model_runner.shutdown()
+
+    def _free(self, req: DiffusionRequest) -> None:
+        for seq in req.seqs:
+            self.block_manager.free(seq)
+
+    # ------------------------------------------------------------------ the step
+
+    def _admit(self) -> None:
+        """Waiting requests in arrival order, while the batch has room (sequences, tokens a
+        pass, KV blocks for the whole canvas)."""
+        budget = self.config.max_num_batched_tokens - sum(
+            s.num_tokens for req in self.running for s in req.seqs)
+        bm = self.block_manager
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            need = sum(s.num_tokens for s in req.seqs)
+            blocks = sum(-(-s.num_tokens // bm.block_size) for s in req.seqs)
+            if need > budget or blocks > bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            for seq in req.seqs:
+                bm.allocate(seq, seq.num_tokens)
+            budget -= need
+            self._start_block(req)
+            self.running.append(req)
+
+    def _start_block(self, req: DiffusionRequest) -> None:
+        p = req.params
+        start = req.block_start
+        masked = req.seq.token_ids[start:start + p.block_length].count(self.mask_token_id)
+        req.schedule = tuple(num_transfer_tokens(masked, p.steps_per_block))
+        req.pass_in_block = 0
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        self._admit()
+        if not self.running:
+            return []
+        runner = self.model_runner
+        batch = [ScheduledSeq(seq, seq.num_tokens, False, 0)
+                 for req in self.running for seq in req.seqs]
+        input_ids, positions, meta, _ = runner.prepare_inputs(batch)
+        hidden = runner.model(input_ids, positions, meta)  # [T, hidden]
+        logits = runner.model.compute_logits(hidden[self._block_rows(batch)]).float()
+        predicted, confidence = self._predict(logits)
+        outputs = []
+        offset = 0
+        self.total_stats.add(StepStats(num_prefill_tokens=len(input_ids)))
+        for req in list(self.running):
+            n = req.params.block_length
+            out = self._unmask(req, predicted[offset:offset + n], confidence[offset:offset + n])
+            offset += n
+            if out is not None:
+                outputs.append(out)
+                self.total_stats.num_decode_tokens += len(out.new_token_ids)
+        return outputs
+
+    def _block_rows(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Flat hidden-state rows whose logits score each request's current block (Dream:
+        the rows before), guided ones followed by their twin's: [sum(rows * block_length)]."""
+        rows: list[int] = []
+        offset = 0
+        seq_offsets = {}
+        for item in batch:
+            seq_offsets[item.seq.seq_id] = offset
+            offset += item.num_new_tokens
+        for req in self.running:
+            for seq in req.seqs:
+                base = seq_offsets[seq.seq_id] + req.block_start - self.shift
+                rows.extend(range(base, base + req.params.block_length))
+        return to_device(rows, torch.long, self.model_runner.device)
+
+    def _predict(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Guidance, then one prediction and confidence per block position (host lists)."""
+        temps, random, seeds, keys, parts = [], [], [], [], []
+        offset = 0
+        for req in self.running:
+            p, n = req.params, req.params.block_length
+            cond = logits[offset:offset + n]
+            offset += n
+            if req.uncond is not None:
+                uncond = logits[offset:offset + n]
+                offset += n
+                cond = uncond + (p.cfg_scale + 1) * (cond - uncond)
+            parts.append(cond)
+            temps += [p.temperature] * n
+            random += [p.remasking == "random"] * n
+            seeds += [req.seq.seed] * n
+            keys += draw_keys(req.num_passes, range(req.block * n, (req.block + 1) * n))
+        dev = logits.device
+        cond = torch.cat(parts)  # [N, V]
+        # Never predict the mask itself: a block must end after its passes.
+        cond[:, self.mask_token_id] = -torch.inf
+        predicted, confidence = predict(
+            cond, to_device(temps, torch.float32, dev),
+            to_device(random, torch.bool, dev), to_device(seeds, torch.long, dev),
+            to_device(keys, torch.long, dev))
+        return predicted.tolist(), confidence.tolist()
+
+    def _unmask(self, req: DiffusionRequest, predicted: list[int], confidence: list[float]
+                ) -> RequestOutput | None:
+        """Apply one pass to a request's block; its output once the block is final."""
+        p, seq, start = req.params, req.seq, req.block_start
+        block = seq.token_ids[start:start + p.block_length]
+        masked = [t == self.mask_token_id for t in block]
+        count = None if p.confidence_threshold is not None else req.schedule[req.pass_in_block]
+        for i in choose(confidence, masked, count, p.confidence_threshold):
+            seq.token_ids[start + i] = predicted[i]
+            if req.uncond is not None:
+                req.uncond.token_ids[start + i] = predicted[i]
+        req.num_passes += 1
+        req.pass_in_block += 1
+        block = seq.token_ids[start:start + p.block_length]
+        if self.mask_token_id in block:
+            return None
+        return self._finish_block(req, block)
+
+    def _finish_block(self, req: DiffusionRequest, block: list[int]) -> RequestOutput:
+        """A final block: its tokens up to an eos (which ends the request: later blocks
+        would only follow it), or all of them."""
+        seq, p = req.seq, req.params
+        params = seq.sampling_params
+        stop = None
+        if not params.ignore_eos:
+            stops = set(self.eos_token_ids) | set(params.stop_token_ids)
+            stop = next((i for i, t in enumerate(block) if t in stops), None)
+        tokens = block if stop is None else block[:stop + 1]
+        req.block += 1
+        done = stop is not None or req.block == p.num_blocks
+        reason = "stop" if stop is not None else "length"
+        stop_reason = tokens[-1] if stop is not None and tokens[-1] in params.stop_token_ids \
+            else None
+        num_output = req.block_start - seq.num_prompt_tokens - len(block) + len(tokens)
+        if done:
+            self.running.remove(req)
+            self._free(req)
+        else:
+            self._start_block(req)
+        return RequestOutput(seq.seq_id, tokens, [None] * len(tokens), done,
+                             reason if done else None, stop_reason, seq.num_prompt_tokens, 0,
+                             num_output, req.num_passes)

@@ -194,7 +194,6 @@ def test_diffusion_parameters_are_refused_by_autoregressive_engines(tiny_model_d
     (dict(gen_length=16, block_length=8, steps=3), "steps"),
     (dict(remasking="entropy"), "remasking"),
     (dict(confidence_threshold=1.5), "confidence_threshold"),
-    (dict(dllm_cache="lru"), "dllm_cache"),
     (dict(cfg_scale=-1.0), "cfg_scale"),
 ])
 def test_bad_diffusion_parameters_name_the_field(kwargs, field):

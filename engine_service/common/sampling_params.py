@@ -57,7 +57,6 @@ def validate_token_controls(params: SamplingParams, vocab_size: int) -> None:
 
 
 REMASKING = ("low_confidence", "random")
-DLLM_CACHES = ("none", "prefix", "dual")
 
 
 @dataclass
@@ -67,10 +66,7 @@ class DiffusionParams:
     forward passes that unmask the positions `remasking` ranks first (the most confident
     prediction, or random ones), or with `confidence_threshold` every position above it
     (at least one a pass: Fast-dLLM's parallel decoding). `temperature` adds Gumbel noise
-    to the predictions; `cfg_scale` > 0 guides them against a pass with the prompt masked.
-    `dllm_cache`: Fast-dLLM's approximate caches, refreshed at each block boundary.
-    `head_retention_ratio` < 1 keeps that share of attention heads after
-    `head_delay_step` passes of a block (dLLM-Serve's head sparsity)."""
+    to the predictions; `cfg_scale` > 0 guides them against a pass with the prompt masked."""
 
     gen_length: int = 128
     steps: int = 128
@@ -79,9 +75,6 @@ class DiffusionParams:
     temperature: float = 0.0
     cfg_scale: float = 0.0
     confidence_threshold: float | None = None
-    dllm_cache: str = "none"
-    head_retention_ratio: float = 1.0
-    head_delay_step: int = 1
 
     def __post_init__(self) -> None:
         check_field(isinstance(self.gen_length, int) and self.gen_length >= 1, "gen_length",
@@ -101,12 +94,6 @@ class DiffusionParams:
         check_field(self.cfg_scale >= 0, "cfg_scale", ">= 0 (0: off)", self.cfg_scale)
         check_field(self.confidence_threshold is None or 0 < self.confidence_threshold <= 1,
                     "confidence_threshold", "in (0, 1] or unset", self.confidence_threshold)
-        check_field(self.dllm_cache in DLLM_CACHES, "dllm_cache", f"one of {DLLM_CACHES}",
-                    self.dllm_cache)
-        check_field(0 < self.head_retention_ratio <= 1, "head_retention_ratio",
-                    "in (0, 1] (1: every head)", self.head_retention_ratio)
-        check_field(isinstance(self.head_delay_step, int) and self.head_delay_step >= 0,
-                    "head_delay_step", ">= 0", self.head_delay_step)
 
     @property
     def num_blocks(self) -> int:

@@ -31,7 +31,7 @@ from engine_service.common.proto_convert import (
     check_prompt_bytes,
     logprob_to_proto,
     prompt_ids_from_proto,
-    sampling_params_from_proto,
+    sampling_params_from_request,
     stop_reason_to_str,
 )
 from engine_service.common.sampling_params import SamplingParams, check_field, validate_prompt
@@ -246,7 +246,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
             self._refuse(grpc.StatusCode.UNAVAILABLE, "engine is still loading the model")
         rid = request.request_id or uuid.uuid4().hex
         try:
-            params = sampling_params_from_proto(request.sampling)
+            params = sampling_params_from_request(request)
             if params.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, which this engine lacks; "
                                  "use stop_token_ids")
@@ -346,7 +346,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         chunk.stop_reason = stop_reason_to_str(stop_reason)
         chunk.usage.CopyFrom(pb.Usage(prompt_tokens=state.num_prompt_tokens,
                                       completion_tokens=state.num_output_tokens,
-                                      cached_prompt_tokens=out.num_cached_tokens))
+                                      cached_prompt_tokens=out.num_cached_tokens,
+                                      num_forward_passes=out.num_forward_passes))
         self.metrics.finished[reason or "abort"].inc()
         self.metrics.e2e.observe(time.perf_counter() - state.arrival)
         if reason == "stop" and not out.finished:

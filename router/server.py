@@ -62,7 +62,7 @@ from engine_service.common.proto_convert import (
     add_chunk,
     check_prompt_bytes,
     prompt_ids_from_proto,
-    sampling_params_from_proto,
+    sampling_params_from_request,
 )
 from engine_service.common.sampling_params import (
     SamplingParams,
@@ -130,6 +130,8 @@ def continuation_request(original: pb.GenerateRequest, request_id: str, prompt_i
     already sent, with max_tokens / min_tokens reduced by what was sent (seed unchanged)."""
     request = pb.GenerateRequest(request_id=request_id, priority=original.priority)
     request.sampling.CopyFrom(original.sampling)
+    if original.HasField("diffusion"):
+        request.diffusion.CopyFrom(original.diffusion)
     request.token_ids.ids.extend(prompt_ids)
     if sent_ids:
         request.token_ids.ids.extend(sent_ids)
@@ -211,7 +213,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _run(self, request: pb.GenerateRequest,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         try:  # the engines check again; checking here keeps a bad request off the index
-            params = sampling_params_from_proto(request.sampling)
+            params = sampling_params_from_request(request)
         except ValueError as e:
             raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
         with contextlib.ExitStack() as held:  # released as the request ends, however

@@ -189,6 +189,23 @@ def test_diffusion_parameters_are_refused_by_autoregressive_engines(tiny_model_d
         llm.generate([[1, 2, 3]], SamplingParams(diffusion=DiffusionParams()), use_tqdm=False)
 
 
+def test_diffusion_params_from_the_wire():
+    """Unset proto fields keep the defaults; floats arrive as the decimals that were sent."""
+    from engine_service.common.proto_convert import sampling_params_from_request
+    from nanoserve.v1 import nanoserve_pb2 as pb
+
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]))
+    assert sampling_params_from_request(request).diffusion is None
+    request.diffusion.SetInParent()
+    assert sampling_params_from_request(request).diffusion == DiffusionParams()
+    request.diffusion.MergeFrom(pb.DiffusionParams(gen_length=64, steps=16, block_length=16,
+                                                   remasking="random", temperature=0.3,
+                                                   confidence_threshold=0.9))
+    assert sampling_params_from_request(request).diffusion == DiffusionParams(
+        gen_length=64, steps=16, block_length=16, remasking="random", temperature=0.3,
+        confidence_threshold=0.9)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(gen_length=10, block_length=4), "block_length"),
     (dict(gen_length=16, block_length=8, steps=3), "steps"),

@@ -127,6 +127,24 @@ def test_both_text_and_token_ids_is_rejected(engine):
     assert "prompt" in err.value.details()
 
 
+def test_diffusion_parameters_on_an_autoregressive_engine_are_refused(engine, client):
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(engine.target))
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                                 diffusion=pb.DiffusionParams(gen_length=16, block_length=8,
+                                                              steps=8))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "diffusion" in err.value.details()
+    # A bad diffusion value is named before the engine kind is even considered.
+    request.diffusion.block_length = 5
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block_length" in err.value.details()
+    assert client.generate([1, 2, 3], max_tokens=2).token_ids  # the engine serves on
+
+
 def test_cancel_mid_stream_and_deadline_free_blocks(client):
     it = client.stream([5] * 30, temperature=0, max_tokens=400, ignore_eos=True)
     first = next(it)

@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from engine_service.common.sampling_params import (
+    DiffusionParams,
     SamplingParams,
     check_field,
     check_prompt_len,
@@ -44,6 +45,24 @@ def float32_to_decimal(x: float) -> float:
         if struct.unpack("f", struct.pack("f", y))[0] == x:
             return y
     return x  # NaN, which validation refuses
+
+
+def diffusion_params_from_proto(msg: pb.DiffusionParams) -> DiffusionParams:
+    """Unset fields keep DiffusionParams' defaults; values are checked there."""
+    kwargs = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
+              if msg.HasField(f.name)}
+    for name in ("temperature", "cfg_scale", "confidence_threshold"):
+        if name in kwargs:
+            kwargs[name] = float32_to_decimal(kwargs[name])
+    return DiffusionParams(**kwargs)
+
+
+def sampling_params_from_request(request: pb.GenerateRequest) -> SamplingParams:
+    """The request's SamplingParams, its DiffusionParams included when set."""
+    params = sampling_params_from_proto(request.sampling)
+    if request.HasField("diffusion"):
+        params.diffusion = diffusion_params_from_proto(request.diffusion)
+    return params
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

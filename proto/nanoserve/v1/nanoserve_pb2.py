@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnanoserve/v1/nanoserve.proto\x12\x0cnanoserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\"\xd1\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.nanoserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x15.nanoserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xde\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.nanoserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.nanoserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf1\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xeb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x13\n\x0bhash_scheme\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x11\n\tengine_id\x18\t \x01(\t\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r\"\x10\n\x0eGetLoadRequest\"\x8e\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12\x11\n\taccepting\x18\x06 \x01(\x08\"9\n\x18SubscribeKvEventsRequest\x12\x1d\n\x15\x61\x66ter_sequence_number\x18\x01 \x01(\x04\"\x8b\x01\n\x0cKvEventBatch\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x1b\n\x13\x62lock_hashes_stored\x18\x03 \x03(\x04\x12\x1c\n\x14\x62lock_hashes_removed\x18\x04 \x03(\x04\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\"\x15\n\x13GetTokenizerRequest\"<\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9f\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse\x12\x46\n\x06Stream\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1b.nanoserve.v1.GenerateChunk0\x01\x32\xbe\x02\n\x06\x45ngine\x12J\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\x17.nanoserve.v1.ModelInfo\x12;\n\x07GetLoad\x12\x1c.nanoserve.v1.GetLoadRequest\x1a\x12.nanoserve.v1.Load\x12Y\n\x11SubscribeKvEvents\x12&.nanoserve.v1.SubscribeKvEventsRequest\x1a\x1a.nanoserve.v1.KvEventBatch0\x01\x12P\n\x0cGetTokenizer\x12!.nanoserve.v1.GetTokenizerRequest\x1a\x1b.nanoserve.v1.TokenizerFile0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnanoserve/v1/nanoserve.proto\x12\x0cnanoserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\"\xd1\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.nanoserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x15.nanoserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x90\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.nanoserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.nanoserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x30\n\tdiffusion\x18\x07 \x01(\x0b\x32\x1d.nanoserve.v1.DiffusionParamsB\x08\n\x06prompt\"\xb5\x02\n\x0f\x44iffusionParams\x12\x17\n\ngen_length\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05steps\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x0c\x62lock_length\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x16\n\tremasking\x18\x04 \x01(\tH\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x16\n\tcfg_scale\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12!\n\x14\x63onfidence_threshold\x18\x07 \x01(\x02H\x06\x88\x01\x01\x42\r\n\x0b_gen_lengthB\x08\n\x06_stepsB\x0f\n\r_block_lengthB\x0c\n\n_remaskingB\x0e\n\x0c_temperatureB\x0c\n\n_cfg_scaleB\x17\n\x15_confidence_threshold\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"s\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x1a\n\x12num_forward_passes\x18\x04 \x01(\r\"\xf1\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xeb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x13\n\x0bhash_scheme\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x11\n\tengine_id\x18\t \x01(\t\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r\"\x10\n\x0eGetLoadRequest\"\x8e\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12\x11\n\taccepting\x18\x06 \x01(\x08\"9\n\x18SubscribeKvEventsRequest\x12\x1d\n\x15\x61\x66ter_sequence_number\x18\x01 \x01(\x04\"\x8b\x01\n\x0cKvEventBatch\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x1b\n\x13\x62lock_hashes_stored\x18\x03 \x03(\x04\x12\x1c\n\x14\x62lock_hashes_removed\x18\x04 \x03(\x04\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\"\x15\n\x13GetTokenizerRequest\"<\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9f\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse\x12\x46\n\x06Stream\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1b.nanoserve.v1.GenerateChunk0\x01\x32\xbe\x02\n\x06\x45ngine\x12J\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\x17.nanoserve.v1.ModelInfo\x12;\n\x07GetLoad\x12\x1c.nanoserve.v1.GetLoadRequest\x1a\x12.nanoserve.v1.Load\x12Y\n\x11SubscribeKvEvents\x12&.nanoserve.v1.SubscribeKvEventsRequest\x1a\x1a.nanoserve.v1.KvEventBatch0\x01\x12P\n\x0cGetTokenizer\x12!.nanoserve.v1.GetTokenizerRequest\x1a\x1b.nanoserve.v1.TokenizerFile0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2669
-  _globals['_FINISHREASON']._serialized_end=2789
+  _globals['_FINISHREASON']._serialized_start=3059
+  _globals['_FINISHREASON']._serialized_end=3179
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_TOKENIDS']._serialized_start=92
@@ -48,33 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=1030
   _globals['_CHOICES']._serialized_end=1056
   _globals['_GENERATEREQUEST']._serialized_start=1059
-  _globals['_GENERATEREQUEST']._serialized_end=1281
-  _globals['_TOKENLOGPROB']._serialized_start=1283
-  _globals['_TOKENLOGPROB']._serialized_end=1377
-  _globals['_USAGE']._serialized_start=1379
-  _globals['_USAGE']._serialized_end=1466
-  _globals['_GENERATECHUNK']._serialized_start=1469
-  _globals['_GENERATECHUNK']._serialized_end=1710
-  _globals['_GENERATERESPONSE']._serialized_start=1713
-  _globals['_GENERATERESPONSE']._serialized_end=1957
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1959
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1980
-  _globals['_MODELINFO']._serialized_start=1983
-  _globals['_MODELINFO']._serialized_end=2218
-  _globals['_GETLOADREQUEST']._serialized_start=2220
-  _globals['_GETLOADREQUEST']._serialized_end=2236
-  _globals['_LOAD']._serialized_start=2239
-  _globals['_LOAD']._serialized_end=2381
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=2383
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=2440
-  _globals['_KVEVENTBATCH']._serialized_start=2443
-  _globals['_KVEVENTBATCH']._serialized_end=2582
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2584
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2605
-  _globals['_TOKENIZERFILE']._serialized_start=2607
-  _globals['_TOKENIZERFILE']._serialized_end=2667
-  _globals['_GENERATION']._serialized_start=2792
-  _globals['_GENERATION']._serialized_end=2951
-  _globals['_ENGINE']._serialized_start=2954
-  _globals['_ENGINE']._serialized_end=3272
+  _globals['_GENERATEREQUEST']._serialized_end=1331
+  _globals['_DIFFUSIONPARAMS']._serialized_start=1334
+  _globals['_DIFFUSIONPARAMS']._serialized_end=1643
+  _globals['_TOKENLOGPROB']._serialized_start=1645
+  _globals['_TOKENLOGPROB']._serialized_end=1739
+  _globals['_USAGE']._serialized_start=1741
+  _globals['_USAGE']._serialized_end=1856
+  _globals['_GENERATECHUNK']._serialized_start=1859
+  _globals['_GENERATECHUNK']._serialized_end=2100
+  _globals['_GENERATERESPONSE']._serialized_start=2103
+  _globals['_GENERATERESPONSE']._serialized_end=2347
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2349
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2370
+  _globals['_MODELINFO']._serialized_start=2373
+  _globals['_MODELINFO']._serialized_end=2608
+  _globals['_GETLOADREQUEST']._serialized_start=2610
+  _globals['_GETLOADREQUEST']._serialized_end=2626
+  _globals['_LOAD']._serialized_start=2629
+  _globals['_LOAD']._serialized_end=2771
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=2773
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=2830
+  _globals['_KVEVENTBATCH']._serialized_start=2833
+  _globals['_KVEVENTBATCH']._serialized_end=2972
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2974
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2995
+  _globals['_TOKENIZERFILE']._serialized_start=2997
+  _globals['_TOKENIZERFILE']._serialized_end=3057
+  _globals['_GENERATION']._serialized_start=3182
+  _globals['_GENERATION']._serialized_end=3341
+  _globals['_ENGINE']._serialized_start=3344
+  _globals['_ENGINE']._serialized_end=3662
 # @@protoc_insertion_point(module_scope)

@@ -82,12 +82,14 @@ class LLMEngine:
         from engine_service.structured_output import StructuredOutput
 
         self.config = config
-        self.model_runner = ModelRunner(config)
-        mc = self.model_runner.model_config
-        if mc.is_diffusion:
-            self.model_runner.shutdown()
+        from models.config import ModelConfig
+
+        mc = ModelConfig.from_dir(config.model)
+        if mc.is_diffusion:  # refused before any weight loads
             raise ValueError(f"{mc.architecture} is a diffusion model: offline LLM(...) "
                              f"serves it; the gRPC engine serves autoregressive models only")
+        self.model_runner = ModelRunner(config)
+        mc = self.model_runner.model_config
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(mc.eos_token_id)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.kv_block_size)
@@ -222,51 +224,33 @@ class LLMEngine:
             for s in self.scheduler.running)
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        if result.accepted is not None:
-            return self._postprocess_verify(sched, result)
-        finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids)}
+        """Each row's new tokens into its request's output: one token a row, or under
+        speculation every token the row kept (cut at a stop by the scheduler)."""
+        tokens, logprobs = result.accepted, result.accepted_logprobs
+        if tokens is not None:
+            assert self.speculator is not None
+            self.speculator.record(sched, tokens)
+        finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids,
+                                                                 tokens)}
+        if tokens is None or logprobs is None:
+            tokens = [[] if t is None else [t] for t in result.token_ids]
+            logprobs = [[] if t is None else [lp]
+                        for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
         outputs = []
         constrained: list[tuple[Sequence, int, RequestOutput]] = []
-        for item, token, lp in zip(sched.scheduled, result.token_ids, result.logprobs,
-                                   strict=True):
+        for item, new, lps in zip(sched.scheduled, tokens, logprobs, strict=True):
             seq = item.seq
             done = seq.seq_id in finished
-            if not done and (token is None or seq.is_finished):
+            if not done and (not new or seq.is_finished):
                 continue  # a mid-prompt chunk, or a row of an aborted / stopped sequence
             # Positional: this runs for every row of every step.
-            out = RequestOutput(
-                seq.seq_id, [] if token is None else [token], [] if token is None else [lp],
-                done, seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
-                seq.num_cached_tokens, seq.num_output_tokens)
-            outputs.append(out)
-            if seq.constraint is not None and token is not None:
-                constrained.append((seq, token, out))
-        if constrained:
-            self._advance_constraints(constrained)
-        return outputs
-
-    def _postprocess_verify(self, sched: SchedulerOutput, result: StepResult
-                            ) -> list[RequestOutput]:
-        """A speculative step: a row adds every token it kept (cut at a stop). No row has a
-        constraint: the speculator proposes nothing for one, so it samples one token."""
-        accepted, accepted_lp = result.accepted, result.accepted_logprobs
-        assert accepted is not None and accepted_lp is not None and self.speculator is not None
-        self.speculator.record(sched, accepted)
-        finished = {s.seq_id for s in self.scheduler.postprocess(sched, result.token_ids,
-                                                                 accepted)}
-        outputs = []
-        constrained: list[tuple[Sequence, int, RequestOutput]] = []
-        for item, tokens, lps in zip(sched.scheduled, accepted, accepted_lp, strict=True):
-            seq = item.seq
-            done = seq.seq_id in finished
-            if not done and (not tokens or seq.is_finished):
-                continue
-            out = RequestOutput(seq.seq_id, tokens, lps[:len(tokens)], done, seq.finish_reason,
+            out = RequestOutput(seq.seq_id, new, lps[:len(new)], done, seq.finish_reason,
                                 seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
                                 seq.num_output_tokens)
             outputs.append(out)
-            if seq.constraint is not None and tokens:
-                constrained.append((seq, tokens[0], out))
+            # A row with a grammar was proposed nothing, so it has one token.
+            if seq.constraint is not None and new:
+                constrained.append((seq, new[0], out))
         if constrained:
             self._advance_constraints(constrained)
         return outputs

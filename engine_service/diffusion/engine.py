@@ -228,7 +228,7 @@ class DiffusionEngine:
         predicted, confidence = predict(
             cond, to_device(temps, torch.float32, dev),
             to_device(random, torch.bool, dev), to_device(seeds, torch.long, dev),
-            to_device(keys, torch.long, dev))
+            to_device(keys, torch.long, dev), any(t > 0 for t in temps))
         return predicted.tolist(), confidence.tolist()
 
     def _unmask(self, req: DiffusionRequest, predicted: list[int], confidence: list[float]

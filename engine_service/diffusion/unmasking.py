@@ -23,13 +23,17 @@ def num_transfer_tokens(num_masked: int, steps: int) -> list[int]:
 
 
 def predict(logits: torch.Tensor, temperature: torch.Tensor, random_remasking: torch.Tensor,
-            seeds: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            seeds: torch.Tensor, keys: torch.Tensor, any_noise: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits float32 [N, V] of N block positions -> (predicted ids int64 [N], confidence
     float32 [N]). temperature [N] > 0 draws with Gumbel noise (softmax(logits / T)), else
     the argmax; confidence is the prediction's softmax probability, or a uniform draw where
-    random_remasking [N] is set. seeds, keys int64 [N] key the draws."""
-    noisy = race_perturbed(logits / temperature.clamp_min(1e-5)[:, None], seeds, keys)
-    predicted = torch.where(temperature > 0, noisy.argmax(-1), logits.argmax(-1))  # [N]
+    random_remasking [N] is set. seeds, keys int64 [N] key the draws. `any_noise` (some
+    temperature > 0, known on the host) is when the [N, V] noise is worth making."""
+    predicted = logits.argmax(-1)  # [N]
+    if any_noise:
+        noisy = race_perturbed(logits / temperature.clamp_min(1e-5)[:, None], seeds, keys)
+        predicted = torch.where(temperature > 0, noisy.argmax(-1), predicted)
     chosen = logits.gather(1, predicted[:, None]).squeeze(1)
     confidence = (chosen - logits.logsumexp(-1)).exp()  # [N]
     drawn = hashed_uniform(seeds, keys + _RANDOM_REMASKING_SALT, 1).squeeze(1)  # [N]

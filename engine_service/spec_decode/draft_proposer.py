@@ -39,15 +39,15 @@ class DraftProposer:
         # Tokens one propose() call may feed the draft to catch up on (new prompts, tokens
         # the target added): the activation budget the target was profiled with.
         self.max_catch_up_tokens = config.max_num_batched_tokens
-        self.kv_cache: torch.Tensor | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model, self.runner.block_size, self.runner.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.runner.block_size,
-                                          self.runner.dtype, self.runner.device)
+        """The draft's cache, held by its attention layers."""
+        allocate_kv_cache(self.model, num_blocks, self.runner.block_size, self.runner.dtype,
+                          self.runner.device)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:

@@ -7,9 +7,10 @@ profile (host and kernel profile of batch-256 and batch-1 decode steps); tp (Qwe
 single request at TP=1/2/4 where GPUs allow; with --tp-throughput also the workload);
 families (Llama-3.2-1B and Qwen3-30B-A3B shapes, single request and workload, and the MoE
 workload under the profiler); spec (speculative decoding: Qwen3-8B single request off, ngram,
-ngram never matching and a draft model; the workload with and without ngram). Logs go to
-$OUT (or ./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to redirect); a
-table is printed last.
+ngram never matching and a draft model; the workload with and without ngram); spec_batch
+(ngram against off at 8, 32 and 128 greedy requests, for speculative_disable_by_batch_size).
+Logs go to $OUT (or ./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to
+redirect); a table is printed last.
 """
 
 from __future__ import annotations
@@ -186,8 +187,9 @@ def stage_spec(args) -> None:
     """Speculative decoding on the Qwen3-8B shape, one request (512 + 512): off, ngram K=4,
     ngram that never matches, a Qwen3-0.6B-shape draft; then the workload with and
     without ngram."""
-    single = ("--model", "qwen3-8b", "--max-model-len", "4096", "--single",
-              "--max-input-len", "512", "--max-output-len", "512", "--repeats", "3")
+    # Greedy: a random model's greedy output falls into loops, which prompt lookup predicts.
+    single = ("--model", "qwen3-8b", "--max-model-len", "4096", "--single", "--temperature",
+              "0", "--max-input-len", "512", "--max-output-len", "512", "--repeats", "3")
     ngram = ("--speculative-method", "ngram", "--num-speculative-tokens", "4")
     runs = (("off", ()),
             ("ngram K=4", (*ngram, "--prompt-lookup-min", "2", "--prompt-lookup-max", "5")),
@@ -196,14 +198,19 @@ def stage_spec(args) -> None:
             ("draft qwen3-0.6b K=4", ("--speculative-method", "draft",
                                       "--num-speculative-tokens", "4",
                                       "--speculative-model", "qwen3-0.6b")))
+    decode_ms = None
     for name, extra in runs:
         text = sh(f"spec_{name.split()[0]}_{len(extra)}", nanoserve("bench", "offline", *single,
                                                                   *extra), timeout=420)
         acc = re.findall(r"acceptance ([\d.]+%), mean acceptance length ([\d.]+)", text)
-        ratio = re.findall(r"device per step: verify ([\d.]+) ms .* ratio ([\d.]+)", text)
+        verify = re.findall(r"device per step: verify ([\d.]+) ms", text)
         note = f"acceptance {acc[-1][0]}, mean length {acc[-1][1]}" if acc else ""
-        if ratio:
-            note += f"; verify step {ratio[-1][0]} ms = {ratio[-1][1]}x other steps"
+        if not extra:  # speculation off: every step but the prefill is a plain decode step
+            device = re.findall(r"device ([\d.]+) ms \(\d+ steps\)", text)
+            decode_ms = float(device[-1]) if device else None
+        if verify and decode_ms:
+            note += (f"; verify step {verify[-1]} ms = {float(verify[-1]) / decode_ms:.2f}x "
+                     f"a decode step without speculation")
         ROWS.append((f"Qwen3-8B single, speculation {name}", _found(_decode_rate(text), "tok/s"),
                      note))
     for name, extra in (("off", ()), ("ngram K=4", (*ngram, "--prompt-lookup-min", "2",
@@ -216,9 +223,31 @@ def stage_spec(args) -> None:
                      f"acceptance {acc[-1]}" if acc else ""))
 
 
+def stage_spec_batch(args) -> None:
+    """Where speculation stops paying: the Qwen3-8B shape, B greedy requests (256 + 256) at
+    once, ngram K=4 (never switched off) against speculation off."""
+    for bs in (8, 32, 128):
+        rates = []
+        for extra in ((), ("--speculative-method", "ngram", "--num-speculative-tokens", "4",
+                           "--prompt-lookup-min", "2", "--prompt-lookup-max", "5",
+                           "--speculative-disable-by-batch-size", "1024")):
+            text = sh(f"spec_batch_{bs}_{len(extra)}", nanoserve(
+                "bench", "offline", "--model", "qwen3-8b", "--max-model-len", "4096",
+                "--num-seqs", str(bs), "--temperature", "0", "--min-input-len", "256",
+                "--max-input-len", "256", "--min-output-len", "256", "--max-output-len", "256",
+                "--no-record", *extra), timeout=300)
+            m = re.search(r"Throughput: ([\d.]+) tok/s", text)
+            acc = re.findall(r"acceptance ([\d.]+%)", text)
+            rates.append(float(m.group(1)) if m else 0.0)
+            ROWS.append((f"Qwen3-8B {bs} requests, speculation {'ngram K=4' if extra else 'off'}",
+                         _found(m, "tok/s"), f"acceptance {acc[-1]}" if acc else ""))
+        if rates[0]:
+            ROWS.append((f"Qwen3-8B {bs} requests, ngram / off", f"{rates[1] / rates[0]:.2f}x", ""))
+
+
 STAGES = {"tests": stage_tests, "offline": stage_offline, "single": stage_single,
           "serve": stage_serve, "profile": stage_profile, "tp": stage_tp,
-          "families": stage_families, "spec": stage_spec}
+          "families": stage_families, "spec": stage_spec, "spec_batch": stage_spec_batch}
 
 
 def main() -> int:

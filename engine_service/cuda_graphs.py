@@ -3,6 +3,8 @@ memory pool. A batch of n rows replays the smallest graph of >= n rows; padded r
 nothing (slot -1) and their outputs are dropped. The graphs read their inputs from
 `DecodeInputs`, one device buffer filled by one host->device copy per step; a pending input
 token comes from its `sampled` region, where the runner keeps every step's sampled tokens.
+One `CudaGraphRunner` serves the target model and, with a draft model, a second one the
+draft's passes.
 """
 
 from __future__ import annotations
@@ -160,15 +162,17 @@ class VerifyInputs(StagedBuffer):
 
 
 class CudaGraphRunner:
-    """Decode graphs over `DecodeInputs` and, with speculative decoding on the Triton
-    backend, verify graphs over `VerifyInputs` (rows of up to 1 + K tokens, for the batch
-    sizes that speculate). With `capture=False` the same static-buffer forwards run eagerly
-    instead of from graphs (how CPU tests check the staging)."""
+    """Decode graphs of `model` (default: the runner's target) over `DecodeInputs`, for
+    batches of up to `max_batch_size` rows (default: max_num_seqs) and, with speculative
+    decoding on the Triton backend, verify graphs over `VerifyInputs` (rows of up to 1 + K
+    tokens, for the batch sizes that speculate). With `capture=False` the same static-buffer
+    forwards run eagerly instead of from graphs (how CPU tests check the staging)."""
 
-    def __init__(self, runner, capture: bool = True) -> None:
-        self.model = runner.model
+    def __init__(self, runner, capture: bool = True, model: torch.nn.Module | None = None,
+                 max_batch_size: int | None = None) -> None:
+        self.model = model if model is not None else runner.model
         cfg = runner.config
-        self.batch_sizes = graph_batch_sizes(cfg.max_num_seqs)
+        self.batch_sizes = graph_batch_sizes(max_batch_size or cfg.max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
         self.max_seq_len = cfg.max_model_len
         self.inputs = DecodeInputs(self.max_bs, cfg.max_blocks_per_seq, runner.device)
@@ -235,6 +239,16 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s and verify batch sizes %s",
                     self.batch_sizes, self.verify_sizes)
+
+    def fits_verify(self, rows: int, query_lens: list[int]) -> bool:
+        """Whether verify graphs cover `rows` rows of these query lengths."""
+        return (self.verify is not None and rows <= self.verify_sizes[-1]
+                and max(query_lens) <= self.verify.q)
+
+    def last_token_indices(self, n: int) -> torch.Tensor:
+        """[n] int64: each staged verify row's last token among the replay's outputs."""
+        assert self.verify is not None
+        return self.verify.dev["cu_seqlens_q"][1:n + 1].long() - 1
 
     def padded_size(self, n: int) -> int:
         """The graph batch size a batch of n rows replays (n <= max_bs)."""

@@ -171,8 +171,10 @@ class LLMEngine:
         speculate = self.speculator is not None and \
             self.speculator.active(self.scheduler.num_running)
         # Proposals need each row's last token on the host, and a verify step's accepted
-        # count decides the next step's positions: neither overlaps the step in flight.
-        if self._in_flight is not None and (speculate or not self._can_overlap()):
+        # count decides the next step's positions: neither overlaps the step in flight. While
+        # no proposal is likely, the next step overlaps it instead, without proposals.
+        if self._in_flight is not None and (not self._can_overlap() or (
+                speculate and self.speculator.may_propose(self.scheduler.running))):
             self._land_in_flight()
         if self._compiling:
             self._admit_compiled()

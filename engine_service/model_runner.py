@@ -10,10 +10,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from engine_service.config import EngineConfig
+from engine_service.cuda_graphs import CudaGraphRunner
 from engine_service.scheduler import ScheduledSeq
 from engine_service.spec_decode.draft_proposer import DraftProposer
 from engine_service.tp_worker import agree_on_num_kv_blocks, start_tensor_parallel
@@ -221,13 +223,15 @@ class ModelRunner:
         # Decode graphs serve autoregressive models: a diffusion pass is a whole canvas.
         if self.device.type == "cuda" and not (config.enforce_eager
                                                or self.model_config.is_diffusion):
-            from engine_service.cuda_graphs import CudaGraphRunner
-
             self.graph_runner = CudaGraphRunner(self)
+            if self.drafter is not None:
+                self.drafter.use_graphs()  # its KV cache is allocated by now
 
     def shutdown(self) -> None:
         """Release what outlives the object (TP ranks, graphs)."""
         self.graph_runner = None
+        if getattr(self, "drafter", None) is not None:
+            self.drafter.graphs = None
         close_fast_all_reduce()  # the graphs that used its buffer are gone
         if self.tp is not None:
             self.tp.shutdown()
@@ -383,59 +387,66 @@ class ModelRunner:
         """A speculative batch of decode rows (with or without proposals, none pending)
         that the verify graphs cover."""
         graphs = self.graph_runner
-        return (graphs is not None and graphs.verify is not None
-                and len(batch) <= graphs.verify_sizes[-1]
+        return (graphs is not None
+                and graphs.fits_verify(len(batch), [item.num_new_tokens for item in batch])
                 and all(item.is_decode and item.start < len(item.seq.token_ids)
                         for item in batch))
 
-    def prepare_verify(self, batch: list[ScheduledSeq]) -> int:
-        """Stage a verify batch into the graphs' inputs (one host->device copy); returns its
-        token count. Every token samples: the last token and each proposal."""
+    def _pack_tables(self, batch: list[ScheduledSeq]) -> np.ndarray:
+        """The rows' block tables, [rows, widest] int32 (numpy) for a staged copy."""
+        tables = [item.seq.block_table for item in batch]
+        return self._table_cache.pack(tables, max(map(len, tables)), 0)
+
+    def prepare_verify(self, batch: list[ScheduledSeq], graphs: CudaGraphRunner | None = None
+                       ) -> int:
+        """Stage rows of 1..q tokens, all on the host, into the verify inputs of `graphs`
+        (default: the target's; one host->device copy); returns their token count. A verify
+        row's tokens are its last token and its proposals, each of which samples."""
+        graphs = graphs or self.graph_runner
+        assert graphs is not None and graphs.verify is not None
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens: list[int] = []
         for item in batch:
-            seq, start = item.seq, item.start
+            seq, start, spec = item.seq, item.start, item.spec_token_ids
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end - len(spec)])
+            input_ids.extend(spec)
             table = seq.block_table
-            input_ids.append(seq.token_ids[start])
-            input_ids.extend(item.spec_token_ids)
-            for pos in range(start, start + item.num_new_tokens):
+            for pos in range(start, end):
                 positions.append(pos)
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
-            query_lens.append(item.num_new_tokens)
-        tables = [item.seq.block_table for item in batch]
-        graphs = self.graph_runner
-        assert graphs is not None and graphs.verify is not None
         graphs.verify.stage(graphs.padded_verify_size(len(batch)), input_ids, positions, slots,
-                            query_lens, self._table_cache.pack(tables, max(map(len, tables)), 0))
+                            [item.num_new_tokens for item in batch], self._pack_tables(batch))
         return len(input_ids)
 
-    def prepare_decode(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
-        """Stage a decode-only batch into the graphs' inputs (one host->device copy);
-        returns logits_indices [num_rows], or None when every row samples."""
+    def prepare_decode(self, batch: list[ScheduledSeq], graphs: CudaGraphRunner | None = None,
+                       pending_rows: list[int] | None = None) -> torch.Tensor | None:
+        """Stage a decode-only batch into the decode inputs of `graphs` (default: the
+        target's; one host->device copy); returns logits_indices [num_rows], or None when
+        every row samples. Row i's input token, where not on the host, is read from
+        `graphs.sampled`: at pending_rows[i] if given, else where the last step sampled it."""
+        graphs = graphs or self.graph_runner
+        assert graphs is not None
         block_size = self.block_size
         input_ids: list[int] = []
         token_index: list[int] = []  # into sampled | input_ids (see DecodeInputs)
         positions: list[int] = []
         slots: list[int] = []
-        max_bs = self.graph_runner.max_bs
         for i, item in enumerate(batch):
             seq, pos = item.seq, item.start
             if pos < len(seq.token_ids):
                 input_ids.append(seq.token_ids[pos])
-                token_index.append(max_bs + i)
+                token_index.append(graphs.max_bs + i)
             else:
                 input_ids.append(0)
-                token_index.append(self._pending_row(seq, len(seq.token_ids), pos + 1))
+                token_index.append(pending_rows[i] if pending_rows is not None else
+                                   self._pending_row(seq, len(seq.token_ids), pos + 1))
             positions.append(pos)
             slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-        tables = [item.seq.block_table for item in batch]
-        width = max(map(len, tables))
-        self.graph_runner.inputs.stage(
-            self.graph_runner.padded_size(len(batch)), input_ids, token_index, positions,
-            slots, self._table_cache.pack(tables, width, 0))
+        graphs.inputs.stage(graphs.padded_size(len(batch)), input_ids, token_index, positions,
+                            slots, self._pack_tables(batch))
         if all(item.sample for item in batch):
             return None
         return to_device([i for i, item in enumerate(batch) if item.sample], torch.long,

@@ -169,9 +169,11 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights for `--load-format dummy` (benchmarks): normal(0, std) everywhere,
-    RMSNorm weights 1. Deterministic for a seed (each rank draws for its own shard)."""
+def init_dummy_weights(model: nn.Module, seed: int = 0, bound: float = 1e-3) -> None:
+    """Random weights for `--load-format dummy` (benchmarks): uniform(-bound, bound) as vLLM
+    draws them, RMSNorm weights 1. Greedy output then falls into loops, as a real model's
+    can, which gives prompt lookup work. Deterministic for a seed (each rank draws for its
+    own shard)."""
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
     for _, param in sorted(model.named_parameters()):
@@ -181,4 +183,4 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-        param.data.normal_(0.0, std, generator=gen)
+        param.data.uniform_(-bound, bound, generator=gen)

@@ -479,6 +479,41 @@ def test_async_and_sync_scheduling_give_the_same_tokens(qwen_dir, engines):
             f"async_scheduling={async_scheduling}: want steps with and without proposals")
 
 
+def test_steps_overlap_while_prompt_lookup_finds_nothing(qwen_dir, engines):
+    """Speculation that finds no proposal costs no overlap: each step is launched before
+    the step in flight is read, as with speculation off (the proposals' landing path is
+    what the other tests exercise)."""
+    prompts = mixed_prompts(vocab_of(qwen_dir), seed=14)
+    params = greedy(MAX_TOKENS)
+    off = engines(qwen_dir, **ENGINE).run(prompts, params)
+    never = dict(NGRAM, prompt_lookup_min=ENGINE["max_model_len"],
+                 prompt_lookup_max=ENGINE["max_model_len"])
+    eng = engines(qwen_dir, **ENGINE, **never)
+    reads: list[bool] = []  # per step read: had a later step been launched already?
+    launched: list[LaunchedStep] = []
+    launch, result = eng.llm.engine.model_runner.launch, LaunchedStep.result
+
+    def spy_launch(*args):
+        launched.append(launch(*args))
+        return launched[-1]
+
+    def spy_result(self):
+        reads.append(launched[-1] is not self)
+        return result(self)
+
+    eng.llm.engine.model_runner.launch = spy_launch
+    try:
+        LaunchedStep.result = spy_result
+        on = eng.run(prompts, params)
+    finally:
+        LaunchedStep.result = result
+        eng.llm.engine.model_runner.launch = launch
+    assert_same_outputs(off, on)
+    assert on.stats is not None and on.stats.num_drafts == 0
+    # Every read but the last (nothing left to launch after it) overlapped the next step.
+    assert len(reads) == len(launched) and all(reads[:-1]), reads
+
+
 # ---------------------------------------------------------------- 5. lossless sampling
 
 

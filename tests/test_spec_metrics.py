@@ -89,12 +89,19 @@ def _scraped_stats(port: int, model_name: str) -> SpecDecodeStats:
 
 
 def _replayed_stats(prompt: list[int], output: list[int]) -> SpecDecodeStats:
-    """What the speculator counts for one greedy request, replayed from its output: each
-    decode step proposes from the tokens so far, and the target keeps the proposals its
-    output repeats, then adds one token of its own."""
+    """What the speculator counts for one greedy request, replayed from its output. While a
+    plain step is in flight, the engine lands it to speculate only if the tokens before it
+    recur; otherwise the next step overlaps it, without proposals. A speculative step
+    proposes from the tokens so far, and the target keeps the proposals its output repeats,
+    then adds one token of its own."""
     stats = SpecDecodeStats(accepted_per_pos=[0] * K)
     n = 1  # the prefill step makes the first output token
+    plain_in_flight = True
     while n < len(output):
+        if plain_in_flight and not propose_ngram(prompt + output[:n - 1], 1, LOOKUP_MIN,
+                                                 LOOKUP_MAX):
+            n += 1
+            continue
         tokens = prompt + output[:n]
         limit = max(0, min(K, MAX_TOKENS - n - 1, MAX_MODEL_LEN - len(tokens) - 1))
         proposal = propose_ngram(tokens, limit, LOOKUP_MIN, LOOKUP_MAX) if limit else []
@@ -104,6 +111,7 @@ def _replayed_stats(prompt: list[int], output: list[int]) -> SpecDecodeStats:
         if proposal:
             stats = _plus(stats, SpecDecodeStats(1, len(proposal), kept,
                                                  [1] * kept + [0] * (K - kept)))
+        plain_in_flight = not proposal
         n += kept + 1
     return stats
 

@@ -14,6 +14,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from engine_service.cuda_graphs import CudaGraphRunner
 from engine_service.scheduler import ScheduledSeq
 from engine_service.sequence import Sequence
 from engine_service.tp_worker import encode_draft
@@ -39,6 +40,11 @@ class DraftProposer:
         # Tokens one propose() call may feed the draft to catch up on (new prompts, tokens
         # the target added): the activation budget the target was profiled with.
         self.max_catch_up_tokens = config.max_num_batched_tokens
+        self.graphs: CudaGraphRunner | None = None  # see use_graphs
+
+    def may_propose(self, seqs: list[Sequence]) -> bool:
+        """A draft model proposes for every sequence."""
+        return bool(seqs)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -48,6 +54,16 @@ class DraftProposer:
         """The draft's cache, held by its attention layers."""
         allocate_kv_cache(self.model, num_blocks, self.runner.block_size, self.runner.dtype,
                           self.runner.device)
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Run the draft's passes from CUDA graphs (once its KV cache is allocated): decode
+        graphs for the batch sizes that speculate and, on the Triton backend, verify-shaped
+        ones (rows of up to 1 + K tokens) for the catch-up pass. capture=False: the same
+        static-buffer forwards, run eagerly (how CPU tests check the staging)."""
+        cfg = self.runner.config
+        self.graphs = CudaGraphRunner(
+            self.runner, capture, model=self.model,
+            max_batch_size=min(cfg.max_num_seqs, cfg.speculative_disable_by_batch_size))
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
@@ -90,29 +106,56 @@ class DraftProposer:
         """The passes of one proposal for (seq, k, start) rows, on every tensor-parallel
         rank (workers get rank 0's rows by message): [max k][rows] drafted tokens. Rank 0
         draws them and the others receive each pass's by broadcast, their next inputs."""
-        runner = self.runner
         first = [ScheduledSeq(seq, len(seq.token_ids) - start, True, start)  # type: ignore
                  for seq, _, start in rows]
-        input_ids, positions, meta, logits_indices = runner.prepare_inputs(first)
-        sampled = self._sample(first, self.model(input_ids, positions, meta)[logits_indices])
+        sampled = self._sample(first, self._catch_up(first))
         steps = [sampled]  # [rows] each, on the device
         active = list(range(len(rows)))
         for j in range(1, max(k for _, k, _ in rows)):
-            keep = [i for i, r in enumerate(active) if rows[r][1] > j]
+            keep = [i for i, r in enumerate(active) if rows[r][1] > j]  # into `sampled`
             active = [active[i] for i in keep]
-            seqs = [rows[r][0] for r in active]
-            pos = [len(seq.token_ids) - 1 + j for seq in seqs]
-            meta = make_attention_metadata([1] * len(seqs), [p + 1 for p in pos],
-                                           [seq.block_table for seq in seqs],
-                                           runner.block_size, runner.device)
-            ids = sampled[to_device(keep, torch.long, runner.device)]
-            items = [ScheduledSeq(seq, 1, True, p) for seq, p in zip(seqs, pos, strict=True)]
-            hidden = self.model(ids, to_device(pos, torch.long, runner.device), meta)
-            sampled = self._sample(items, hidden)
-            full = torch.zeros(len(rows), dtype=torch.long, device=runner.device)
-            full[to_device(active, torch.long, runner.device)] = sampled
-            steps.append(full)
-        return torch.stack(steps).tolist() if runner.rank == 0 else []
+            items = [ScheduledSeq(rows[r][0], 1, True,  # type: ignore
+                                  len(rows[r][0].token_ids) - 1 + j) for r in active]
+            sampled = self._sample(items, self._next_pass(items, sampled, keep))
+            steps.append(sampled if len(active) == len(rows) else
+                         self._scatter(sampled, active, len(rows)))
+        return torch.stack(steps).tolist() if self.runner.rank == 0 else []
+
+    def _catch_up(self, first: list[ScheduledSeq]) -> torch.Tensor:
+        """The pass over the tokens each row's draft cache lacks, all on the host: hidden
+        states at each row's last token [rows, hidden]. From a verify graph when every row
+        fits one (steady state: a token or two), else eagerly (whole prompts)."""
+        graphs, runner = self.graphs, self.runner
+        if graphs is not None and graphs.fits_verify(len(first),
+                                                     [item.num_new_tokens for item in first]):
+            num_tokens = runner.prepare_verify(first, graphs)
+            hidden = graphs.replay_verify(len(first), num_tokens)  # [num_tokens, hidden]
+            return hidden[graphs.last_token_indices(len(first))]
+        input_ids, positions, meta, logits_indices = runner.prepare_inputs(first)
+        return self.model(input_ids, positions, meta)[logits_indices]
+
+    def _next_pass(self, items: list[ScheduledSeq], prev: torch.Tensor, keep: list[int]
+                   ) -> torch.Tensor:
+        """A single-token pass: row i's input is the last pass's draw prev[keep[i]] (prev:
+        [last pass's rows] int64, on the device). Hidden states [rows, hidden]."""
+        graphs, runner = self.graphs, self.runner
+        if graphs is not None and prev.shape[0] <= graphs.max_bs:
+            graphs.sampled[:prev.shape[0]].copy_(prev)  # where the decode graphs read it
+            runner.prepare_decode(items, graphs, keep)
+            return graphs.replay(len(items))
+        pos = [item.start for item in items]
+        meta = make_attention_metadata([1] * len(items), [p + 1 for p in pos],
+                                       [item.seq.block_table for item in items],
+                                       runner.block_size, runner.device)
+        ids = prev[to_device(keep, torch.long, runner.device)]  # [rows]
+        return self.model(ids, to_device(pos, torch.long, runner.device), meta)
+
+    def _scatter(self, sampled: torch.Tensor, active: list[int], n: int) -> torch.Tensor:
+        """[n] int64: `sampled` at rows `active`, 0 at the rows that proposed enough."""
+        device = self.runner.device
+        full = torch.zeros(n, dtype=torch.long, device=device)
+        full[to_device(active, torch.long, device)] = sampled
+        return full
 
     def _sample(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> torch.Tensor:
         """The draft's draw at each row's output position with the row's own settings (rank

@@ -50,3 +50,8 @@ class NgramProposer:
         """For each sequence, at most its limit of proposed tokens."""
         return [propose_ngram(seq.token_ids, k, self.min_n, self.max_n) if k else []
                 for seq, k in zip(seqs, limits, strict=True)]
+
+    def may_propose(self, seqs: list[Sequence]) -> bool:
+        """Whether some sequence's last tokens recur: output that repeats keeps repeating,
+        and output that does not seldom starts within one step."""
+        return any(propose_ngram(seq.token_ids, 1, self.min_n, self.max_n) for seq in seqs)

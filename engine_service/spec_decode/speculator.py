@@ -14,6 +14,8 @@ from engine_service.sequence import Sequence
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]: ...
 
+    def may_propose(self, seqs: list[Sequence]) -> bool: ...
+
 
 @dataclass
 class SpecDecodeStats:
@@ -55,6 +57,12 @@ class Speculator:
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         return self.proposer.propose(seqs, limits)
+
+    def may_propose(self, seqs: list[Sequence]) -> bool:
+        """Whether proposals are likely for these running sequences, judged from the tokens
+        on the host (one step old while a step is in flight): worth landing that step for,
+        since a speculative step cannot overlap it."""
+        return self.proposer.may_propose([seq for seq in seqs if seq.constraint is None])
 
     def record(self, sched: SchedulerOutput, accepted: list[list[int]]) -> None:
         """Count one verify step from each row's tokens before a stop cut them: a row kept

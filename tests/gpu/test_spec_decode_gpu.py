@@ -43,6 +43,16 @@ def test_speculation_changes_no_token(tiny_model_dir, plain, method, enforce_eag
         assert graphs.verify_graphs, "no verify graph was captured"
         original = graphs.replay_verify
         graphs.replay_verify = lambda n, t: (replayed.append(n), original(n, t))[1]
+    drafter = spec.engine.model_runner.drafter
+    draft_graphs = drafter.graphs if drafter is not None else None
+    assert (draft_graphs is not None) == (method == "draft" and not enforce_eager)
+    draft_replays: list[str] = []
+    if draft_graphs is not None:
+        assert draft_graphs.graphs and draft_graphs.verify_graphs, "no draft graph captured"
+        for name in ("replay", "replay_verify"):
+            fn = getattr(draft_graphs, name)
+            setattr(draft_graphs, name,
+                    lambda *a, fn=fn, name=name: (draft_replays.append(name), fn(*a))[1])
     prompts = _prompts(tiny_model_dir)
     for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=MAX_TOKENS,
@@ -53,5 +63,7 @@ def test_speculation_changes_no_token(tiny_model_dir, plain, method, enforce_eag
         stats = spec.engine.speculator.take_stats()
         assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0
     assert bool(replayed) != enforce_eager
+    if draft_graphs is not None:  # the catch-up and the single-token passes
+        assert {"replay", "replay_verify"} <= set(draft_replays), draft_replays
     bm = spec.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -1,7 +1,9 @@
 """Python clients for nanoserve's Generation and Engine services, sync and asyncio.
 
 The same client talks to a router or to one engine: both serve `Generation`. Requests are
-built in one place (`build_request`), from a prompt and SamplingParams keywords.
+built in one place (`build_request`), from a prompt and SamplingParams keywords; for a
+diffusion model (LLaDA, Dream), `diffusion=` a DiffusionParams or a dict of its fields, as
+`SamplingParams(diffusion=...)` offline.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.errors import from_rpc_error
 from engine_service.common import proto_convert as pb_convert
 from engine_service.common.api_key import key_metadata
-from engine_service.common.proto_convert import sampling_params_to_proto
-from engine_service.common.sampling_params import SamplingParams, check_field
+from engine_service.common.proto_convert import (
+    diffusion_params_to_proto,
+    sampling_params_to_proto,
+)
+from engine_service.common.sampling_params import DiffusionParams, SamplingParams, check_field
 from engine_service.common.tls import (
     ChannelOptions,
     channel_credentials,
@@ -30,6 +35,8 @@ from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 
 # text, token ids, or chat messages ({"role": ..., "content": ...} each)
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+# How a diffusion model decodes: DiffusionParams, or some of its fields (the rest default)
+Diffusion = DiffusionParams | Mapping[str, Any]
 
 
 SAMPLING_FIELDS = pb_convert.SAMPLING_FIELDS
@@ -38,9 +45,11 @@ _CHECKED_FIELDS: frozenset[str] = frozenset(f.name for f in fields(SamplingParam
 
 
 def build_request(prompt: Prompt, request_id: str | None = None, priority: int = 0,
-                  **sampling: Any) -> pb.GenerateRequest:
+                  diffusion: Diffusion | None = None, **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt and SamplingParams field values (None = leave unset);
-    `priority` (an int32, lower runs earlier on engines with --scheduling-policy priority).
+    `priority` (an int32, lower runs earlier on engines with --scheduling-policy priority);
+    `diffusion` for an engine serving a diffusion model (checked here, ValueError naming
+    the field, as its values need no model to check).
 
     `stop` may be one string. Raises TypeError for an unknown keyword or a prompt of the
     wrong shape, ValueError for an empty prompt list or a value the proto cannot hold
@@ -55,6 +64,8 @@ def build_request(prompt: Prompt, request_id: str | None = None, priority: int =
                 "an int32", priority)
     request = pb.GenerateRequest(request_id=request_id or "", priority=priority,
                                  sampling=sampling_params_to_proto(sampling))
+    if diffusion is not None:
+        request.diffusion.CopyFrom(diffusion_params_to_proto(diffusion))
     _set_prompt(request, prompt)
     return request
 
@@ -107,10 +118,12 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    num_forward_passes: int = 0  # diffusion models: the passes the request took
 
     @classmethod
     def from_proto(cls, usage: pb.Usage) -> Usage:
-        return cls(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
+        return cls(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens,
+                   usage.num_forward_passes)
 
 
 @dataclass
@@ -180,8 +193,9 @@ def _prepare(prompt: Prompt, kwargs: dict[str, Any],
     timeout = kwargs.pop("timeout", None)
     timeout = default_timeout if timeout is None else timeout
     request_id, priority = kwargs.pop("request_id", None), kwargs.pop("priority", 0)
+    diffusion = kwargs.pop("diffusion", None)
     check_sampling(kwargs)  # before anything is sent, in the engines' words
-    return build_request(prompt, request_id, priority, **kwargs), timeout
+    return build_request(prompt, request_id, priority, diffusion, **kwargs), timeout
 
 
 class Client:

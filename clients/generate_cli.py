@@ -7,6 +7,7 @@ stderr so `nanoserve generate ... > out.txt` captures only the text.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -35,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", metavar="S",
                         help="a stop string (repeat the flag for several)")
     parser.add_argument("--ignore-eos", action="store_true", default=None)
+    parser.add_argument("--diffusion", type=json.loads, metavar="JSON",
+                        help="a diffusion model's decoding: DiffusionParams' fields as a JSON "
+                             "object, e.g. '{\"gen_length\": 64, \"steps\": 64}'")
     parser.add_argument("--request-id")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
     parser.add_argument("--api-key", metavar="KEY",
@@ -53,13 +57,15 @@ def _prompt(args: argparse.Namespace) -> Prompt:
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     names = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-             "stop", "ignore_eos", "request_id", "timeout")
+             "stop", "ignore_eos", "diffusion", "request_id", "timeout")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _usage_line(finish_reason: str | None, usage: Usage | None, engine_id: str) -> str:
     counts = ("" if usage is None else f" prompt={usage.prompt_tokens} "
               f"completion={usage.completion_tokens} cached={usage.cached_prompt_tokens}")
+    if usage is not None and usage.num_forward_passes:
+        counts += f" passes={usage.num_forward_passes}"
     return f"[finish={finish_reason}{counts} engine={engine_id}]"
 
 

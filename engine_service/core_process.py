@@ -1,4 +1,5 @@
-"""The engine core process: owns the LLMEngine and runs the step loop.
+"""The engine core process: owns the engine (LLMEngine, or DiffusionEngine for a diffusion
+model: engines.make_engine) and runs the step loop.
 
 The gRPC frontend lives in another process so token streaming never steals the
 interpreter from the step loop, and a step never blocks the RPCs. They talk over two one-way
@@ -24,7 +25,7 @@ from multiprocessing.connection import Connection
 from engine_service.block_manager import KvEvent
 from engine_service.common.sampling_params import SamplingParams
 from engine_service.config import EngineConfig, cpu_threads
-from engine_service.engine import RequestOutput
+from engine_service.engine import LoadSnapshot, RequestOutput
 from engine_service.sequence import Sequence, SequenceStatus
 from engine_service.spec_decode.speculator import SpecDecodeStats
 
@@ -51,15 +52,6 @@ class AbortRequest:
 @dataclass
 class Shutdown:
     pass
-
-
-@dataclass
-class LoadSnapshot:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    tokens_in_flight: int = 0
 
 
 @dataclass
@@ -101,12 +93,6 @@ class StepOutputs:
     spec_decode: SpecDecodeStats | None = None  # counts of this step's verify rows, if any
 
 
-def _load(engine) -> LoadSnapshot:
-    s, bm = engine.scheduler, engine.block_manager
-    return LoadSnapshot(s.num_running, s.num_waiting, bm.num_used_blocks, bm.num_blocks,
-                        s.tokens_in_flight())
-
-
 def run_core(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
     """Entry point of the core process."""
     # The frontend decides when to stop (SIGTERM drains there); the core follows the pipe.
@@ -117,18 +103,19 @@ def run_core(config: EngineConfig, requests: Connection, outputs: Connection) ->
     try:
         import torch
 
-        from engine_service.engine import LLMEngine
+        from engine_service.engines import make_engine
 
         # Several engines (or tensor-parallel ranks) may share the host: take our share of
         # the cores, never all of them, or their thread pools fight over every core.
         torch.set_num_threads(cpu_threads(config.tensor_parallel_size))
         logger.info("torch threads: %d", torch.get_num_threads())
-        engine = LLMEngine(config)
+        engine = make_engine(config)
     except Exception:
         outputs.send(CoreFailed(traceback.format_exc()))
         return
     k = engine.speculator.k if engine.speculator is not None else None
-    outputs.send(CoreReady(engine.model_info(), engine.cached_block_hashes(), _load(engine), k))
+    outputs.send(CoreReady(engine.model_info(), engine.cached_block_hashes(),
+                           engine.load_snapshot(), k))
     try:
         _loop(engine, requests, outputs)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
@@ -167,7 +154,7 @@ def _loop(engine, requests: Connection, outputs: Connection) -> None:
     last_sent = time.monotonic()
     queued: dict[str, tuple[Sequence, float]] = {}  # not yet scheduled, and when added
     while True:
-        engine.model_runner.check_alive()  # a dead tensor-parallel rank fails even when idle
+        engine.check_alive()  # a dead tensor-parallel rank fails even when idle
         # Block only when there is nothing to step; otherwise just drain what arrived.
         timeout = 0 if engine.has_unfinished() else IDLE_POLL_SECONDS
         aborted: list[str] = []
@@ -198,6 +185,6 @@ def _loop(engine, requests: Connection, outputs: Connection) -> None:
         now = time.monotonic()
         if step_outputs or events or aborted or changed or admitted or spec is not None or (
                 stepped and now - last_sent >= HEARTBEAT_SECONDS):
-            outputs.send(StepOutputs(step_outputs, events, _load(engine), aborted, admitted,
-                                     spec))
+            outputs.send(StepOutputs(step_outputs, events, engine.load_snapshot(), aborted,
+                                     admitted, spec))
             last_sent = now

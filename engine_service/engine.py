@@ -27,7 +27,7 @@ from engine_service.spec_decode.speculator import make_speculator
 if TYPE_CHECKING:
     import torch
 
-    from engine_service.model_runner import LaunchedStep, StepResult
+    from engine_service.model_runner import LaunchedStep, ModelRunner, StepResult
     from engine_service.scheduler import ScheduledSeq
     from engine_service.structured_output import TokenConstraint
 
@@ -75,7 +75,48 @@ class StepStats:
         self.verify_device_seconds += other.verify_device_seconds
 
 
-class LLMEngine:
+@dataclass
+class LoadSnapshot:
+    """An engine's load after a step, as GetLoad reports it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_in_flight: int = 0
+
+
+class EngineServing:
+    """What the core process asks of any engine besides add_request / abort / step (the
+    model, its KV blocks and events, a dead tensor-parallel rank); each engine adds its own
+    load_snapshot() and a `speculator` (None when it never speculates)."""
+
+    config: EngineConfig
+    model_runner: ModelRunner
+    block_manager: BlockManager
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    def check_alive(self) -> None:
+        self.model_runner.check_alive()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return self.block_manager.take_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.block_manager.cached_block_hashes()
+
+    def model_info(self) -> dict:
+        mc = self.model_runner.model_config
+        return dict(architecture=mc.architecture, is_diffusion=mc.is_diffusion,
+                    max_model_len=self.config.max_model_len,
+                    kv_block_size=self.config.kv_block_size, hash_scheme=HASH_SCHEME,
+                    vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    num_kv_blocks=self.block_manager.num_blocks)
+
+
+class LLMEngine(EngineServing):
     def __init__(self, config: EngineConfig):
         # Torch and xgrammar load here, not on import: the frontend imports this module.
         from engine_service.model_runner import ModelRunner
@@ -86,8 +127,8 @@ class LLMEngine:
 
         mc = ModelConfig.from_dir(config.model)
         if mc.is_diffusion:  # refused before any weight loads
-            raise ValueError(f"{mc.architecture} is a diffusion model: offline LLM(...) "
-                             f"serves it; the gRPC engine serves autoregressive models only")
+            raise ValueError(f"{mc.architecture} is a diffusion model: "
+                             f"engines.make_engine gives it a DiffusionEngine")
         self.model_runner = ModelRunner(config)
         mc = self.model_runner.model_config
         self.vocab_size = mc.vocab_size
@@ -273,17 +314,7 @@ class LLMEngine:
             seq.finish_reason = out.finish_reason = "stop" if ok else "abort"
             out.finished = True
 
-    def take_kv_events(self) -> list[KvEvent]:
-        return self.block_manager.take_events()
-
-    def cached_block_hashes(self) -> list[int]:
-        return self.block_manager.cached_block_hashes()
-
-    def model_info(self) -> dict:
-        mc = self.model_runner.model_config
-        return dict(architecture=mc.architecture,
-                    max_model_len=self.config.max_model_len,
-                    kv_block_size=self.config.kv_block_size, hash_scheme=HASH_SCHEME,
-                    vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
-                    tensor_parallel_size=self.config.tensor_parallel_size,
-                    num_kv_blocks=self.block_manager.num_blocks)
+    def load_snapshot(self) -> LoadSnapshot:
+        s, bm = self.scheduler, self.block_manager
+        return LoadSnapshot(s.num_running, s.num_waiting, bm.num_used_blocks, bm.num_blocks,
+                            s.tokens_in_flight())

@@ -34,7 +34,12 @@ from engine_service.common.proto_convert import (
     sampling_params_from_request,
     stop_reason_to_str,
 )
-from engine_service.common.sampling_params import SamplingParams, check_field, validate_prompt
+from engine_service.common.sampling_params import (
+    SamplingParams,
+    check_diffusion_request,
+    check_field,
+    validate_prompt,
+)
 from engine_service.common.tokenizer import Tokenizer
 from engine_service.engine import RequestOutput
 from engine_service.metrics import EngineMetrics
@@ -218,6 +223,11 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         for q in self.kv_subscribers:
             q.put_nowait(batch)
 
+    @property
+    def is_diffusion(self) -> bool:
+        """The engine serves a diffusion model (known once the core is ready)."""
+        return bool(self.model_info and self.model_info.get("is_diffusion"))
+
     def _block_size(self) -> int:
         return int(self.model_info["kv_block_size"]) if self.model_info else 0
 
@@ -247,6 +257,8 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         rid = request.request_id or uuid.uuid4().hex
         try:
             params = sampling_params_from_request(request)
+            # Here, not in the core: a request for the other kind of engine costs no round trip.
+            check_diffusion_request(params, self.is_diffusion)
             if params.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, which this engine lacks; "
                                  "use stop_token_ids")
@@ -302,10 +314,11 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     # ------------------------------------------------------------ chunks
 
     async def _chunks(self, state: RequestState) -> AsyncIterator[pb.GenerateChunk]:
-        """One chunk per wake-up, holding every token that arrived since the last one."""
+        """One chunk per wake-up, holding every token that arrived since the last one; from a
+        diffusion engine, one chunk per output: a block, final, is what its client sees."""
         while not state.done:
             items = [await state.queue.get()]
-            while not state.queue.empty():
+            while not self.is_diffusion and not state.queue.empty():
                 items.append(state.queue.get_nowait())
             chunk = pb.GenerateChunk(request_id=state.request_id, engine_id=self.engine_id)
             for item in items:

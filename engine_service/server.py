@@ -171,7 +171,7 @@ async def _serve_openai(frontend: Frontend, metrics: EngineMetrics, sock: socket
     def card() -> ModelCard | None:
         info = frontend.model_info
         return None if info is None else ModelCard(frontend.model_name, info["max_model_len"],
-                                                   info["vocab_size"])
+                                                   info["vocab_size"], frontend.is_diffusion)
 
     backend = Backend(stream=frontend.Stream, model=card, serving=is_serving,
                       tokenizer=lambda: frontend.tokenizer, registry=metrics.registry,

@@ -2,7 +2,10 @@
 
 A batch is flat: row b's queries are tokens cu_seqlens_q[b]:cu_seqlens_q[b+1] of the step, the
 LAST q_len_b positions of its seq_lens[b]-token context (query i at seq_lens[b] - q_len_b + i).
-This covers decodes, prefills, prefix-cached prefills and chunks, mixed in one batch.
+This covers decodes, prefills, prefix-cached prefills and chunks, mixed in one batch. Under
+non-causal attention a row's queries may sit anywhere in its context (the diffusion engine's
+dLLM caches): every backend attends them to all seq_lens[b] keys, and the caller's positions
+and slot_mapping say where they are (engine_service/diffusion/dllm_cache.py builds those).
 """
 
 from __future__ import annotations

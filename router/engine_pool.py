@@ -41,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.common.api_key import key_channel_interceptors
 from engine_service.common.block_hash import HASH_SCHEME
+from engine_service.common.sampling_params import DIFFUSION_ARCHITECTURES
 from engine_service.common.tls import channel_credentials, open_channel
 from nanoserve.v1 import nanoserve_pb2, nanoserve_pb2_grpc
 from router.config import RouterConfig, split_host_port
@@ -127,6 +128,11 @@ class EngineClient:
     @property
     def engine_id(self) -> str:
         return self.info.engine_id if self.info is not None and self.info.engine_id else self.key
+
+    @property
+    def is_diffusion(self) -> bool:
+        """Serves a diffusion model (LLaDA, Dream), known from its model info."""
+        return self.info is not None and self.info.architecture in DIFFUSION_ARCHITECTURES
 
     @property
     def block_size(self) -> int:

@@ -17,7 +17,10 @@ A request's life here:
      makes no progress, router.engine_pool): if no token reached the client yet, send the
      same request to another engine; otherwise continue on another engine from prompt +
      tokens already sent, with max_tokens and min_tokens reduced by what was sent and the
-     same seed, so the client's stream goes on with no token twice.
+     same seed, so the client's stream goes on with no token twice. A diffusion model's
+     request (its engines' ModelInfo.architecture says so) is as long as its gen_length and
+     comes in whole blocks: it continues from the next block, with gen_length and steps
+     reduced by the blocks sent (the same canvas, the same passes a block).
 
 Continuation and text: the new engine detokenizes only the tokens it generates, so text
 that the failed engine held back (an incomplete UTF-8 character, a possible stop string)
@@ -27,8 +30,9 @@ continued chunk. token_ids are always exact; text across a failover is best effo
 stop string spanning the failover point is not detected. The last chunk's usage is
 rewritten to the client's view: prompt_tokens = the original prompt, completion_tokens =
 every token sent, cached_prompt_tokens as reported by the finishing engine (capped at the
-prompt). Greedy requests without presence/frequency penalties continue exactly as one
-engine would have.
+prompt), num_forward_passes as the finishing engine counts them. Greedy requests without
+presence/frequency penalties (diffusion: temperature 0, low_confidence, no cfg_scale, no
+dllm_cache) continue exactly as one engine would have.
 
 Every status the router ends an RPC with goes through router.errors.bounded (no message
 echoes a huge value), raised as proto_convert.Refused rather than by context.abort.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import random
@@ -61,10 +66,13 @@ from engine_service.common.proto_convert import (
     StatusInterceptor,
     add_chunk,
     check_prompt_bytes,
+    diffusion_params_to_proto,
     prompt_ids_from_proto,
     sampling_params_from_request,
 )
 from engine_service.common.sampling_params import (
+    DIFFUSION_ARCHITECTURES,
+    DiffusionParams,
     SamplingParams,
     check_field,
     check_prompt_len,
@@ -125,20 +133,35 @@ def checked_prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None,
 
 
 def continuation_request(original: pb.GenerateRequest, request_id: str, prompt_ids: list[int],
-                         sent_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
+                         sent_ids: list[int], max_tokens: int,
+                         diffusion: DiffusionParams | None = None) -> pb.GenerateRequest:
     """The request for the engine: the prompt as token ids; after a failover, prompt + tokens
-    already sent, with max_tokens / min_tokens reduced by what was sent (seed unchanged)."""
+    already sent, with max_tokens / min_tokens reduced by what was sent (seed unchanged), or
+    for a diffusion model's request (`diffusion`: its decoding, defaults included) gen_length
+    and steps reduced by the blocks sent."""
     request = pb.GenerateRequest(request_id=request_id, priority=original.priority)
     request.sampling.CopyFrom(original.sampling)
     if original.HasField("diffusion"):
         request.diffusion.CopyFrom(original.diffusion)
     request.token_ids.ids.extend(prompt_ids)
-    if sent_ids:
+    if sent_ids and diffusion is not None:
+        request.token_ids.ids.extend(sent_ids)
+        request.diffusion.CopyFrom(diffusion_params_to_proto(
+            rest_of_canvas(diffusion, len(sent_ids))))
+    elif sent_ids:
         request.token_ids.ids.extend(sent_ids)
         request.sampling.max_tokens = max_tokens - len(sent_ids)
         if request.sampling.min_tokens:
             request.sampling.min_tokens = max(request.sampling.min_tokens - len(sent_ids), 0)
     return request
+
+
+def rest_of_canvas(p: DiffusionParams, num_sent: int) -> DiffusionParams:
+    """The decoding of a diffusion request's canvas after its first `num_sent` positions,
+    whole blocks (an engine sends only final blocks)."""
+    blocks_left = (p.gen_length - num_sent) // p.block_length
+    return dataclasses.replace(p, gen_length=blocks_left * p.block_length,
+                               steps=blocks_left * p.steps_per_block)
 
 
 def held_back_text(tokenizer, sent_ids: list[int], sent_text: str,
@@ -265,7 +288,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         ) -> AsyncIterator[pb.GenerateChunk]:
         """The request on one engine after another until one finishes it."""
         request_id = request.request_id or uuid.uuid4().hex
-        max_tokens = params.max_tokens
+        diffusion = self._diffusion(params)
+        max_tokens = params.max_tokens if diffusion is None else diffusion.gen_length
         progress = _Progress()
         tried: set[str] = set()
         errors: list[tuple[str, grpc.StatusCode, str]] = []
@@ -281,7 +305,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             engine, handle = routed
             tried.add(engine.key)
             chunks = self._forward(engine, handle, request, request_id, prompt_ids,
-                                   max_tokens, progress, context)
+                                   max_tokens, diffusion, progress, context)
             try:
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
@@ -300,13 +324,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _forward(self, engine: EngineClient, handle: int, request: pb.GenerateRequest,
                        request_id: str, prompt_ids: list[int], max_tokens: int,
-                       progress: _Progress, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[pb.GenerateChunk]:
+                       diffusion: DiffusionParams | None, progress: _Progress,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         """One engine's stream, as the client must see it; raises the engine's AioRpcError,
         or UNAVAILABLE when the engine pool abandoned the call (a stall)."""
         num_sent_before = len(progress.sent_ids)
         engine_request = continuation_request(request, request_id, prompt_ids,
-                                              progress.sent_ids, max_tokens)
+                                              progress.sent_ids, max_tokens, diffusion)
         call = engine.generation.Stream(engine_request, timeout=_time_left(context))
         engine.watch(handle, call)
         try:
@@ -329,6 +353,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                        grpc.aio.Metadata(), why) from None
         finally:
             call.cancel()  # no-op when done; propagates client cancellation otherwise
+
+    def _diffusion(self, params: SamplingParams) -> DiffusionParams | None:
+        """A diffusion model's request: its decoding (the defaults when it sets none); None
+        for an autoregressive one. A router's engines serve one model, so any one's kind."""
+        if params.diffusion is not None:
+            return params.diffusion
+        if any(e.is_diffusion for e in self.pool.engines()):
+            return DiffusionParams()
+        return None
 
     def _engine_failed(self, engine: EngineClient, handle: int, error: grpc.aio.AioRpcError,
                        params: SamplingParams, request_id: str, progress: _Progress,
@@ -530,7 +563,8 @@ class Router:
         if not infos:
             return None
         return ModelCard(self.config.served_model_name or infos[0].model_name,
-                         max(i.max_model_len for i in infos), infos[0].vocab_size)
+                         max(i.max_model_len for i in infos), infos[0].vocab_size,
+                         infos[0].architecture in DIFFUSION_ARCHITECTURES)
 
     async def stop(self, grace: float | None = None) -> None:
         if self._health_task is not None:

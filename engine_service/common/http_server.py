@@ -56,7 +56,7 @@ HTTP_STATUS = {Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
                Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
                Code.UNAVAILABLE: (503, "service_unavailable_error")}
 DEFAULT_RETRY_AFTER_S = "1"
-_FIELD = re.compile(r"([\w.\[\]]+) must be ")
+_FIELD = re.compile(r"([\w.\[\]]+) (?:must be|applies to) ")
 
 
 class HttpCallContext:
@@ -92,7 +92,7 @@ class HttpCallContext:
 
 class HttpError(Exception):
     """An OpenAI error object with its HTTP status; `param` defaults to the field the
-    message names ("temperature must be ...")."""
+    message names ("temperature must be ...", "top_p applies to autoregressive models")."""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, param: str | None = None,
                  error_code: str | None = None, headers: dict[str, str] | None = None,

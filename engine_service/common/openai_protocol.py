@@ -6,7 +6,9 @@ client reads the same words as a gRPC one; this module checks only what gRPC can
 (n, content parts, logit_bias keys, numbers outside the proto's integer types) and refuses
 the OpenAI fields nanoserve cannot honour (echo, best_of, suffix). Structured output comes
 from OpenAI's response_format or vLLM's structured_outputs and guided_* fields. Unknown
-fields are accepted and ignored, as vLLM does (gateways add their own)."""
+fields are accepted and ignored, as vLLM does (gateways add their own). nanoserve's own extra
+field `diffusion` (DiffusionParams' fields) sets how an engine serving a diffusion model
+(LLaDA, Dream) decodes; that engine refuses the autoregressive-only fields, naming them."""
 
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from engine_service.common.proto_convert import sampling_params_to_proto
+from engine_service.common.proto_convert import (
+    diffusion_params_to_proto,
+    sampling_params_to_proto,
+)
 from engine_service.common.sampling_params import CONSTRAINTS, SamplingParams, check_field
 from nanoserve.v1 import nanoserve_pb2 as pb
 
@@ -45,6 +50,7 @@ class ModelCard:
     name: str
     max_model_len: int
     vocab_size: int
+    is_diffusion: bool = False  # a diffusion model: no max_tokens of its own (gen_length)
 
 
 class _Open(BaseModel):
@@ -115,6 +121,7 @@ class _Request(_Open):
     user: str | None = None  # accepted; nothing is done with it
     stream: bool = False
     stream_options: StreamOptions | None = None
+    diffusion: dict[str, Any] | None = None  # DiffusionParams' fields (diffusion models)
 
     @field_validator("n", "stream", "logprobs", "priority", mode="before", check_fields=False)
     @classmethod
@@ -149,8 +156,10 @@ def _sampling_kwargs(req: _Request, card: ModelCard) -> dict[str, Any]:
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
             kwargs["max_tokens"] = req.max_completion_tokens
-        # As in OpenAI and vLLM, a chat answer may run to the end of the context.
-        kwargs.setdefault("max_tokens", card.max_model_len)
+        # As in OpenAI and vLLM, a chat answer may run to the end of the context (a diffusion
+        # model's length is its gen_length, and max_tokens does not apply to it).
+        if not card.is_diffusion:
+            kwargs.setdefault("max_tokens", card.max_model_len)
         check_field(req.logprobs or req.top_logprobs is None, "top_logprobs",
                     "set only with logprobs: true", req.top_logprobs)
         if req.logprobs:
@@ -244,11 +253,13 @@ def generate_requests(req: CompletionRequest | ChatRequest, card: ModelCard,
                 f">= 1, with n x prompts at most {MAX_CHOICES}", req.n)
     check_field(-2**31 <= req.priority < 2**31, "priority", "an int32", req.priority)
     sampling = sampling_params_to_proto(kwargs)
+    diffusion = None if req.diffusion is None else diffusion_params_to_proto(req.diffusion)
     requests = []
     for p, prompt in enumerate(prompts):
         for j in range(req.n):
             request = pb.GenerateRequest(request_id=f"{request_id}-{p * req.n + j}",
-                                         sampling=sampling, priority=req.priority)
+                                         sampling=sampling, priority=req.priority,
+                                         diffusion=diffusion)
             if isinstance(prompt, pb.ChatMessages):
                 request.messages.CopyFrom(prompt)
             elif isinstance(prompt, str):

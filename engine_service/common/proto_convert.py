@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import struct
+from collections.abc import Mapping
+from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from engine_service.common.sampling_params import (
@@ -114,6 +118,41 @@ def sampling_params_to_proto(sampling: dict) -> pb.SamplingParams:
                 setattr(msg, name, value)
         except (TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"sampling parameter {name}={quote(value)}: {e}") from None
+    return msg
+
+
+DIFFUSION_FIELDS = tuple(pb.DiffusionParams.DESCRIPTOR.fields_by_name)
+_PROTO_KINDS = {FieldDescriptor.TYPE_UINT32: "an integer in [0, 2**32)",
+                FieldDescriptor.TYPE_FLOAT: "a number", FieldDescriptor.TYPE_STRING: "a string"}
+
+
+def diffusion_params_to_proto(diffusion: DiffusionParams | Mapping[str, Any]
+                              ) -> pb.DiffusionParams:
+    """pb.DiffusionParams from a DiffusionParams or some of its field values (None or absent:
+    the default), checked as the engines check them. ValueError names the field: unknown,
+    of the wrong type, or out of range."""
+    if isinstance(diffusion, DiffusionParams):  # its defaults are the engines' too: unsent
+        values = {f.name: v for f in dataclasses.fields(diffusion)
+                  if (v := getattr(diffusion, f.name)) != f.default}
+    else:
+        check_field(isinstance(diffusion, Mapping), "diffusion",
+                    "DiffusionParams or a mapping of its fields", type(diffusion).__name__)
+        values = dict(diffusion)
+    values = {name: value for name, value in values.items() if value is not None}
+    unknown = sorted(set(values) - set(DIFFUSION_FIELDS))
+    check_field(not unknown, "diffusion", f"an object of {', '.join(DIFFUSION_FIELDS)}",
+                unknown)
+    # The engines' value check first, in their words; the wrong types fail it with a
+    # TypeError that names no field, so the proto below names them.
+    with contextlib.suppress(TypeError):
+        DiffusionParams(**values)
+    msg = pb.DiffusionParams()
+    for name, value in values.items():
+        try:
+            setattr(msg, name, value)
+        except (TypeError, ValueError):
+            kind = _PROTO_KINDS.get(msg.DESCRIPTOR.fields_by_name[name].type, "a valid value")
+            raise ValueError(f"{name} must be {kind}, got {quote(value)}") from None
     return msg
 
 

@@ -57,6 +57,7 @@ def validate_token_controls(params: SamplingParams, vocab_size: int) -> None:
 
 
 REMASKING = ("low_confidence", "random")
+DLLM_CACHES = ("none", "prefix", "dual")
 
 
 @dataclass
@@ -66,7 +67,11 @@ class DiffusionParams:
     forward passes that unmask the positions `remasking` ranks first (the most confident
     prediction, or random ones), or with `confidence_threshold` every position above it
     (at least one a pass: Fast-dLLM's parallel decoding). `temperature` adds Gumbel noise
-    to the predictions; `cfg_scale` > 0 guides them against a pass with the prompt masked."""
+    to the predictions; `cfg_scale` > 0 guides them against a pass with the prompt masked.
+    `dllm_cache` (Fast-dLLM's approximate KV caches): "none" recomputes the whole canvas every
+    pass (exact); "prefix" and "dual" compute the prompt's KV once and refresh the rest at
+    each block's first pass; the other passes recompute the current block and everything
+    after it ("prefix") or the block alone ("dual"), reading the rest from the cache."""
 
     gen_length: int = 128
     steps: int = 128
@@ -75,6 +80,7 @@ class DiffusionParams:
     temperature: float = 0.0
     cfg_scale: float = 0.0
     confidence_threshold: float | None = None
+    dllm_cache: str = "none"
 
     def __post_init__(self) -> None:
         check_field(isinstance(self.gen_length, int) and self.gen_length >= 1, "gen_length",
@@ -94,6 +100,8 @@ class DiffusionParams:
         check_field(self.cfg_scale >= 0, "cfg_scale", ">= 0 (0: off)", self.cfg_scale)
         check_field(self.confidence_threshold is None or 0 < self.confidence_threshold <= 1,
                     "confidence_threshold", "in (0, 1] or unset", self.confidence_threshold)
+        check_field(self.dllm_cache in DLLM_CACHES, "dllm_cache", f"one of {DLLM_CACHES}",
+                    self.dllm_cache)
 
     @property
     def num_blocks(self) -> int:
@@ -227,6 +235,9 @@ class SamplingParams:
                 or self.frequency_penalty != 0)
 
 
+# models.config.DIFFUSION_ARCHITECTURES, for processes without the model code: a router
+# tells a diffusion engine by its ModelInfo.architecture.
+DIFFUSION_ARCHITECTURES = frozenset({"LLaDAModelLM", "DreamModel"})
 # What a diffusion engine reads of SamplingParams besides `diffusion`; everything else shapes
 # autoregressive sampling and must keep its default there.
 _DIFFUSION_FIELDS = frozenset({"seed", "stop", "stop_token_ids", "ignore_eos",

@@ -2,13 +2,14 @@
 add_request / abort / step interface as LLMEngine.
 
 A request is a canvas, its prompt followed by `gen_length` mask tokens, decoded in blocks left
-to right. Every step is one forward pass over every running request's whole canvas (and,
-with classifier-free guidance, over a twin whose prompt is masked), bidirectional, its KV
-written to the request's paged blocks. A pass predicts each position of a request's current
-block and unmasks some (engine_service/diffusion/unmasking.py); a block whose last mask is
-gone is final and goes out as that request's new tokens. Requests join and leave the batch
-at any step. A request takes the blocks of its whole canvas when admitted, so it never
-needs more and is never preempted.
+to right. Every step is one forward pass over every running request (and, with
+classifier-free guidance, a twin whose prompt is masked), bidirectional, its KV written to the
+request's paged blocks: the whole canvas, or with a dLLM cache ("prefix", "dual") only the
+positions that pass recomputes (engine_service/diffusion/dllm_cache.py). A pass predicts each
+position of a request's current block and unmasks some (engine_service/diffusion/
+unmasking.py); a block whose last mask is gone is final and goes out as that request's new
+tokens. Requests join and leave the batch at any step. A request takes the blocks of its
+whole canvas when admitted, so it never needs more and is never preempted.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from engine_service.common.sampling_params import (
     validate_prompt,
 )
 from engine_service.config import EngineConfig
+from engine_service.diffusion.dllm_cache import allocate_canvas, cache_prompts, pack, plan_step
 from engine_service.diffusion.unmasking import choose, draw_keys, num_transfer_tokens, predict
-from engine_service.engine import RequestOutput, StepStats
-from engine_service.scheduler import ScheduledSeq
-from engine_service.sequence import Sequence
+from engine_service.engine import EngineServing, LoadSnapshot, RequestOutput, StepStats
+from engine_service.sequence import Sequence, SequenceStatus
+from models.attention_metadata import BlockTableCache
 from models.host_copy import to_device
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class DiffusionRequest:
         return [self.seq] if self.uncond is None else [self.seq, self.uncond]
 
 
-class DiffusionEngine:
+class DiffusionEngine(EngineServing):
     def __init__(self, config: EngineConfig, runner=None):
         from engine_service.model_runner import ModelRunner
 
@@ -81,6 +83,7 @@ class DiffusionEngine:
         self.running: list[DiffusionRequest] = []
         self.speculator = None  # the core process asks every engine for one
         self.total_stats = StepStats(num_steps=0)  # forward tokens, tokens out; LLM's bar
+        self._table_cache = BlockTableCache()
 
     # ------------------------------------------------------------------ requests
 
@@ -90,12 +93,12 @@ class DiffusionEngine:
         params = sampling_params.diffusion or DiffusionParams()
         validate_prompt(prompt_token_ids, self.config.max_model_len - params.gen_length + 1,
                         self.vocab_size)
-        length = len(prompt_token_ids) + params.gen_length
         rows = 2 if params.cfg_scale > 0 else 1
-        check_field(rows * length <= self.config.max_num_batched_tokens, "gen_length",
+        check_field(self._pass_tokens(params, len(prompt_token_ids))
+                    <= self.config.max_num_batched_tokens, "gen_length",
                     f"at most max_num_batched_tokens={self.config.max_num_batched_tokens} "
-                    f"tokens with the prompt{' (twice, with cfg_scale)' if rows == 2 else ''}",
-                    params.gen_length)
+                    f"tokens a pass with the prompt"
+                    f"{' (twice, with cfg_scale)' if rows == 2 else ''}", params.gen_length)
         if self.get(request_id) is not None:
             raise ValueError(f"request_id must be unique among requests in flight, "
                              f"got duplicate {request_id!r}")
@@ -143,20 +146,28 @@ class DiffusionEngine:
         """Waiting requests in arrival order, while the batch has room (sequences, tokens a
         pass, KV blocks for the whole canvas)."""
         budget = self.config.max_num_batched_tokens - sum(
-            s.num_tokens for req in self.running for s in req.seqs)
+            self._pass_tokens(req.params, req.seq.num_prompt_tokens) for req in self.running)
         bm = self.block_manager
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            need = sum(s.num_tokens for s in req.seqs)
+            need = self._pass_tokens(req.params, req.seq.num_prompt_tokens)
             blocks = sum(-(-s.num_tokens // bm.block_size) for s in req.seqs)
             if need > budget or blocks > bm.num_free_blocks:
                 break
             self.waiting.popleft()
             for seq in req.seqs:
-                bm.allocate(seq, seq.num_tokens)
+                allocate_canvas(bm, seq, req.params.dllm_cache != "none")
+                seq.status = SequenceStatus.RUNNING  # the core process's admission signal
             budget -= need
             self._start_block(req)
             self.running.append(req)
+
+    def _pass_tokens(self, params: DiffusionParams, num_prompt_tokens: int) -> int:
+        """Tokens a request forwards in one step at most: its canvas (and its twin's), plus
+        under a dLLM cache Dream's scoring row before the first refresh's queries."""
+        rows = 2 if params.cfg_scale > 0 else 1
+        extra = self.shift if params.dllm_cache != "none" else 0
+        return rows * (num_prompt_tokens + params.gen_length + extra)
 
     def _start_block(self, req: DiffusionRequest) -> None:
         p = req.params
@@ -171,11 +182,13 @@ class DiffusionEngine:
         if not self.running:
             return []
         runner = self.model_runner
-        batch = [ScheduledSeq(seq, seq.num_tokens, False, 0)
-                 for req in self.running for seq in req.seqs]
-        input_ids, positions, meta, _ = runner.prepare_inputs(batch)
+        spans, rows = plan_step(self.running, self.shift, self.block_manager.block_size)
+        input_ids, positions, meta = pack(spans, self.block_manager.block_size, runner.device,
+                                          self._table_cache)
         hidden = runner.model(input_ids, positions, meta)  # [T, hidden]
-        logits = runner.model.compute_logits(hidden[self._block_rows(batch)]).float()
+        rows_t = to_device(rows, torch.long, runner.device)  # [sum(twins * block_length)]
+        logits = runner.model.compute_logits(hidden[rows_t]).float()
+        cache_prompts(spans, self.block_manager)
         predicted, confidence = self._predict(logits)
         outputs = []
         offset = 0
@@ -188,21 +201,6 @@ class DiffusionEngine:
                 outputs.append(out)
                 self.total_stats.num_decode_tokens += len(out.new_token_ids)
         return outputs
-
-    def _block_rows(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Flat hidden-state rows whose logits score each request's current block (Dream:
-        the rows before), guided ones followed by their twin's: [sum(rows * block_length)]."""
-        rows: list[int] = []
-        offset = 0
-        seq_offsets = {}
-        for item in batch:
-            seq_offsets[item.seq.seq_id] = offset
-            offset += item.num_new_tokens
-        for req in self.running:
-            for seq in req.seqs:
-                base = seq_offsets[seq.seq_id] + req.block_start - self.shift
-                rows.extend(range(base, base + req.params.block_length))
-        return to_device(rows, torch.long, self.model_runner.device)
 
     def _predict(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Guidance, then one prediction and confidence per block position (host lists)."""
@@ -271,5 +269,16 @@ class DiffusionEngine:
         else:
             self._start_block(req)
         return RequestOutput(seq.seq_id, tokens, [None] * len(tokens), done,
-                             reason if done else None, stop_reason, seq.num_prompt_tokens, 0,
-                             num_output, req.num_passes)
+                             reason if done else None, stop_reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, num_output, req.num_passes)
+
+    # ------------------------------------------------------------------ serving interface
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """Requests (a guided one and its twin count once), KV blocks, and the tokens still
+        to compute: a waiting request's whole canvas, a running one's positions not final."""
+        left = sum(r.params.gen_length - r.block * r.params.block_length for r in self.running)
+        left += sum(r.seq.num_prompt_tokens + r.params.gen_length for r in self.waiting)
+        bm = self.block_manager
+        return LoadSnapshot(len(self.running), len(self.waiting), bm.num_used_blocks,
+                            bm.num_blocks, left)

@@ -72,15 +72,17 @@ def _rows(mix: str, block_size: int, rng: random.Random) -> list[tuple[int, int]
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int,
-              scale: float) -> torch.Tensor:
-    """Dense causal attention in float64. q [L, H, D], k/v [S, Hkv, D] -> [L, H, D]."""
+              scale: float, causal: bool = True) -> torch.Tensor:
+    """Dense attention in float64. q [L, H, D], k/v [S, Hkv, D] -> [L, H, D]. Causal: query i
+    sits at position cached + i; otherwise every query sees all S keys."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, 1)
     v = v.double().repeat_interleave(group, 1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [H, L, S]
-    pos = cached + torch.arange(q.shape[0], device=q.device)
-    s = s.masked_fill(torch.arange(k.shape[0], device=q.device)[None, :] > pos[:, None],
-                      float("-inf"))
+    if causal:
+        pos = cached + torch.arange(q.shape[0], device=q.device)
+        s = s.masked_fill(torch.arange(k.shape[0], device=q.device)[None, :] > pos[:, None],
+                          float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
@@ -450,6 +452,125 @@ def test_matches_torch_backend() -> None:
     assert max_row_rel_err(triton_out, torch_out.double(), cu) < TOL[dtype]
 
 
+# ------------------------------------------------------------- non-causal (diffusion LLMs)
+
+# A diffusion engine's dLLM-cache passes put a row's queries anywhere in it: a refresh at the
+# end, a prefix pass from the middle to the end, a dual pass in the middle; non-causal
+# attention must attend each of them to all seq_len keys of the row.
+NON_CAUSAL_MIXES = ["chunks_anywhere", "long_middle", "single_tokens", "decode_then_chunks"]
+
+
+def _non_causal_rows(mix: str, rng: random.Random) -> list[tuple[int, int, int]]:
+    """(seq_len, q_start, q_len) per row: queries at positions q_start .. q_start + q_len - 1."""
+    def anywhere(seq_len: int, q_len: int) -> tuple[int, int, int]:
+        return seq_len, rng.randint(1, seq_len - q_len - 1), q_len  # strictly inside
+
+    if mix == "chunks_anywhere":
+        rows = [anywhere(rng.randint(66, 700), rng.randint(2, 64)) for _ in range(4)]
+        n = rng.randint(40, 300)
+        rows += [(n, 0, n), (n, 0, rng.randint(1, n - 1)), (n, n - 32, 32)]  # whole, head, tail
+        rng.shuffle(rows)
+        return rows
+    if mix == "long_middle":  # few programs, long contexts: split-KV launches
+        return [anywhere(rng.randint(1100, 5000), rng.randint(16, 64)) for _ in range(2)]
+    if mix == "single_tokens":  # every q_len 1: decode launches
+        return [anywhere(rng.randint(3, 3000), 1) for _ in range(5)]
+    if mix == "decode_then_chunks":  # leading one-token rows launch on their own
+        return ([anywhere(rng.randint(3, 2000), 1) for _ in range(6)]
+                + [anywhere(rng.randint(66, 1500), rng.randint(2, 64)) for _ in range(3)])
+    raise ValueError(mix)
+
+
+def make_non_causal_batch(rows: list[tuple[int, int, int]], layout: tuple[int, int, int],
+                          block_size: int, dtype: torch.dtype, seed: int) -> Batch:
+    """Every row's KV but its queries' in the cache (the rest NaN), the queries' own K/V to
+    store at their positions' slots, and dense non-causal references over all its keys."""
+    heads, kv_heads, dim = layout
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    kv_cache, tables = shuffled_cache([n for n, _, _ in rows], layout, block_size, dtype, seed)
+    flat = kv_cache.view(2, -1, kv_heads, dim)
+    scale = dim**-0.5
+    qs, new_k, new_v, refs, slots = [], [], [], [], []
+    for (seq_len, start, q_len), table in zip(rows, tables, strict=True):
+        k = torch.randn(seq_len, kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
+        v = torch.randn(seq_len, kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
+        q = (2 * torch.randn(q_len, heads, dim, generator=gen, device=DEVICE)).to(dtype)
+        row_slots = cached_slots(table, seq_len, block_size)  # [seq_len]
+        queried = torch.zeros(seq_len, dtype=torch.bool, device=DEVICE)
+        queried[start:start + q_len] = True
+        flat[0, row_slots[~queried]] = k[~queried]
+        flat[1, row_slots[~queried]] = v[~queried]
+        qs.append(q)
+        new_k.append(k[queried])
+        new_v.append(v[queried])
+        slots.append(row_slots[queried])
+        refs.append(reference(q, k, v, 0, scale, causal=False))
+    q_lens = [q_len for _, _, q_len in rows]
+    seq_lens = [n for n, _, _ in rows]
+    cu = [0]
+    for q_len in q_lens:
+        cu.append(cu[-1] + q_len)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32, device=DEVICE),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens,
+        cu_seqlens_q_cpu=cu, decode_only=max(q_lens) == 1)
+    return Batch(torch.cat(qs), torch.cat(new_k), torch.cat(new_v), kv_cache, meta,
+                 torch.cat(refs), scale)
+
+
+def _non_causal_cases() -> list:
+    cases = [(m, bs, lay, torch.bfloat16) for m in NON_CAUSAL_MIXES for bs in (8, 16, 256)
+             for lay in LAYOUTS]
+    cases += [(m, bs, (16, 8, 128), torch.float32) for m in NON_CAUSAL_MIXES for bs in (8, 256)]
+    return [pytest.param(m, bs, lay, dt, id=f"{m}-bs{bs}-{_layout_id(lay)}-{_dtype_id(dt)}")
+            for m, bs, lay, dt in cases]
+
+
+@pytest.mark.parametrize("mix,block_size,layout,dtype", _non_causal_cases())
+def test_non_causal_queries_anywhere_in_the_row(mix: str, block_size: int,
+                                                layout: tuple[int, int, int],
+                                                dtype: torch.dtype) -> None:
+    """Triton and torch backends, causal=False: queries at the start, in the middle or at the
+    end of their row all see every key of it (a causal mask, or one aligned to the row's
+    end, would drop keys after them)."""
+    seed = _seed("non_causal", mix, block_size, layout, dtype)
+    batch = make_non_causal_batch(_non_causal_rows(mix, random.Random(seed)), layout,
+                                  block_size, dtype, seed)
+    cu = batch.meta.cu_seqlens_q_cpu
+    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+        kv_cache = batch.kv_cache.clone()
+        backend.store_kv(batch.key, batch.value, kv_cache, batch.meta.slot_mapping)
+        out = torch.full_like(batch.query, NAN)
+        backend.forward(batch.query, kv_cache, batch.meta, batch.scale, out=out, causal=False)
+        err = max_row_rel_err(out, batch.ref, cu)
+        assert err < TOL[dtype], f"{backend.name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("launch", LAUNCHES,
+                         ids=lambda la: f"q{la.block_q}-n{la.block_n}-s{la.num_splits}")
+def test_non_causal_forced_launches(launch: AttentionLaunch) -> None:
+    """Every tile/split shape, causal=False, on queries in the middle of their rows."""
+    layout, dtype, block_size = (16, 8, 128), torch.bfloat16, 16
+    seed = _seed("non_causal_launch", launch)
+    rng = random.Random(seed)
+    rows = _non_causal_rows("decode_then_chunks", rng) + _non_causal_rows("long_middle", rng)
+    batch = make_non_causal_batch(rows, layout, block_size, dtype, seed)
+    TritonAttentionBackend().store_kv(batch.key, batch.value, batch.kv_cache,
+                                      batch.meta.slot_mapping)
+    meta = batch.meta
+    out = torch.full_like(batch.query, NAN)
+    paged_attention(batch.query, batch.kv_cache[0], batch.kv_cache[1], meta.cu_seqlens_q,
+                    meta.seq_lens, meta.block_tables, batch.scale, launch, out=out,
+                    causal=False)
+    err = max_row_rel_err(out, batch.ref, meta.cu_seqlens_q_cpu)
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
 # ------------------------------------------------------------------------------ flash-attn
 
 needs_flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
@@ -471,6 +592,22 @@ def test_flash_attn_backend_matches_dense_reference(mix: str, block_size: int,
     backend = FlashAttnBackend()
     backend.store_kv(batch.key, batch.value, batch.kv_cache, batch.meta.slot_mapping)
     out = backend.forward(batch.query, batch.kv_cache, batch.meta, batch.scale)
+    err = max_row_rel_err(out, batch.ref, batch.meta.cu_seqlens_q_cpu)
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("mix", NON_CAUSAL_MIXES)
+def test_flash_attn_non_causal_queries_anywhere_in_the_row(mix: str) -> None:
+    from models.backends.flash_attn_backend import FlashAttnBackend
+
+    layout, dtype, block_size = (32, 8, 128), torch.bfloat16, 256
+    seed = _seed("flash_non_causal", mix)
+    batch = make_non_causal_batch(_non_causal_rows(mix, random.Random(seed)), layout,
+                                  block_size, dtype, seed)
+    backend = FlashAttnBackend()
+    backend.store_kv(batch.key, batch.value, batch.kv_cache, batch.meta.slot_mapping)
+    out = backend.forward(batch.query, batch.kv_cache, batch.meta, batch.scale, causal=False)
     err = max_row_rel_err(out, batch.ref, batch.meta.cu_seqlens_q_cpu)
     assert err < TOL[dtype], f"relative error {err:.2e}"
 

@@ -1,5 +1,5 @@
-"""`nanoserve bench offline|serve|routing|soak` — benchmarks with progress bars; figures go to the
-run log of benchmarks/results.py."""
+"""`nanoserve bench offline|serve|routing|soak|diffusion` — benchmarks with progress bars;
+figures go to the run log of benchmarks/results.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ _KINDS = {
     "serve": ("benchmarks.serve", "concurrent streams against a running engine or router"),
     "routing": ("benchmarks.routing", "multi-tenant workload under each routing policy"),
     "soak": ("benchmarks.soak", "mixed load with cancels, bad requests and engine restarts"),
+    "diffusion": ("benchmarks.diffusion_bench",
+                  "diffusion LLM decoding: the plain reference loop and the engine's variants"),
 }
 
 

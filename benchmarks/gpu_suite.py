@@ -8,7 +8,9 @@ single request at TP=1/2/4 where GPUs allow; with --tp-throughput also the workl
 families (Llama-3.2-1B and Qwen3-30B-A3B shapes, single request and workload, and the MoE
 workload under the profiler); spec (speculative decoding: Qwen3-8B single request off, ngram,
 ngram never matching and a draft model; the workload with and without ngram); spec_batch
-(ngram against off at 8, 32 and 128 greedy requests, for speculative_disable_by_batch_size).
+(ngram against off at 8, 32 and 128 greedy requests, for speculative_disable_by_batch_size);
+diffusion (LLaDA-8B shape: the plain reference loop against the diffusion engine's variants at
+batch 1 and 32).
 Logs go to $OUT (or ./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to
 redirect); a table is printed last.
 """
@@ -245,9 +247,42 @@ def stage_spec_batch(args) -> None:
             ROWS.append((f"Qwen3-8B {bs} requests, ngram / off", f"{rates[1] / rates[0]:.2f}x", ""))
 
 
+_DIFFUSION_RUN = re.compile(r"^batch (\d+) (\w+): ([\d.]+) tok/s \(.*?\), ([\d.]+) forward "
+                            r"passes/token(?:, agreement with none ([\d.]+))?$", re.M)
+
+
+def stage_diffusion(args) -> None:
+    """LLaDA-8B shape (dummy bf16 weights), 64-token prompts, gen_length 256, steps 256,
+    block_length 32, at batch 1 and 32 (a run each, with its own timeout): tokens/s of the
+    plain reference loop (LLaDA's generate.py: the dense canvas recomputed every pass) and of
+    the engine with caches off, the prefix cache, the dual cache and threshold 0.9; forward
+    passes per generated token, and token agreement with caches off. Random weights make the
+    confidences unlike a trained model's (near uniform): a 0.9 threshold hardly ever fires
+    and agreement says little, so passes per token and agreement do not carry over to a
+    trained LLaDA; tokens/s at a given number of passes do. Target: the dual cache at batch 32
+    at least 3x the plain loop at batch 32."""
+    rates: dict[tuple[int, str], float] = {}
+    for batch, timeout in ((1, 300), (32, 540)):
+        name = f"diffusion_b{batch}"
+        text = sh(name, nanoserve("bench", "diffusion", "--model", "llada-8b",
+                                  "--batch-sizes", str(batch)), timeout=timeout)
+        found = _DIFFUSION_RUN.findall(text)
+        if not found:
+            ROWS.append((f"LLaDA-8B diffusion batch {batch}", f"FAILED (see {name}.log)", ""))
+        for b, variant, tps, per_token, agree in found:
+            rates[int(b), variant] = float(tps)
+            note = f"{per_token} passes/token" + (f", agreement {agree}" if agree else "")
+            ROWS.append((f"LLaDA-8B diffusion batch {b}, {variant}", f"{tps} tok/s",
+                         f"{note} (random weights)"))
+    if rates.get((32, "plain")) and (32, "dual") in rates:
+        ROWS.append(("LLaDA-8B diffusion batch 32, dual / plain",
+                     f"{rates[32, 'dual'] / rates[32, 'plain']:.2f}x", "target >= 3x"))
+
+
 STAGES = {"tests": stage_tests, "offline": stage_offline, "single": stage_single,
           "serve": stage_serve, "profile": stage_profile, "tp": stage_tp,
-          "families": stage_families, "spec": stage_spec, "spec_batch": stage_spec_batch}
+          "families": stage_families, "spec": stage_spec, "spec_batch": stage_spec_batch,
+          "diffusion": stage_diffusion}
 
 
 def main() -> int:

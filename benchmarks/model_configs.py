@@ -35,6 +35,22 @@ PRESETS: dict[str, dict] = {
         intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
         moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], tie_word_embeddings=False),
+    # GSAI-ML/LLaDA-8B-Instruct's config.json: OLMo-style keys (configuration_llada.py), as
+    # models/config.py reads them; its Llama block is the one setting of each switch it runs.
+    "llada-8b": dict(
+        architectures=["LLaDAModelLM"], model_type="llada", d_model=4096, n_layers=32,
+        n_heads=32, n_kv_heads=32, multi_query_attention=None, mlp_hidden_size=12288,
+        mlp_ratio=4, vocab_size=126464, embedding_size=126464, mask_token_id=126336,
+        eos_token_id=126081, pad_token_id=126081, max_sequence_length=4096,
+        rope_theta=500000.0, rope=True, rope_full_precision=True, rms_norm_eps=1e-5,
+        activation_type="silu", block_type="llama", block_group_size=1,
+        layer_norm_type="rms", layer_norm_with_affine=True, bias_for_layer_norm=False,
+        attention_layer_norm=False, attention_layer_norm_with_affine=True, alibi=False,
+        alibi_bias_max=8.0, include_bias=False, include_qkv_bias=False, input_emb_norm=False,
+        scale_logits=False, weight_tying=False, attention_dropout=0.0, embedding_dropout=0.0,
+        residual_dropout=0.0, flash_attention=False, init_device="meta", init_fn="mitchell",
+        init_std=0.02, init_cutoff_factor=None, precision="amp_bf16", use_cache=False,
+        torch_dtype="bfloat16"),
 }
 
 

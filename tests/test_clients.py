@@ -377,7 +377,7 @@ def test_cli_version_engine_help_and_bare_bench(capsys: pytest.CaptureFixture[st
         nanoserve_cli.main(["bench"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "{offline,serve,routing,soak}" in err and "bench_kind" not in err
+    assert "{offline,serve,routing,soak,diffusion}" in err and "bench_kind" not in err
 
 
 def test_cli_missing_owner_module_breaks_only_its_subcommand(

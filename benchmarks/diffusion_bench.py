@@ -5,8 +5,10 @@ block, by a plain reference loop and by the diffusion engine under each variant.
   recomputed in full every pass through transformers' Llama with a full non-causal mask,
   logits for every position, over the engine's own weights (shared, not copied). No paged
   KV, no engine.
-- none, prefix, dual, threshold: the engine (one LLM for every run) with dllm_cache "none",
-  "prefix", "dual", and Fast-dLLM's confidence threshold 0.9 with caches off.
+- none, prefix, dual, threshold, sparse: the engine (one LLM for every run) with dllm_cache
+  "none", "prefix", "dual", Fast-dLLM's confidence threshold 0.9 with caches off, and
+  dLLM-Serve's head-sparse attention (retention 0.5 after one full pass a block) on the dual
+  cache.
 
 Every run is greedy (temperature 0) with low_confidence remasking; each is preceded by a
 warm-up of the same shapes (other prompts, two passes a block). A run reports generated
@@ -32,12 +34,12 @@ from engine_service.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORM
 
 PLAIN = "plain"
 # Engine variants: DiffusionParams fields over the run's gen_length, steps and block_length.
-# Head sparsity (retention 0.5) joins as one more entry once DiffusionParams has its field.
 VARIANTS: dict[str, dict] = {
     "none": {"dllm_cache": "none"},
     "prefix": {"dllm_cache": "prefix"},
     "dual": {"dllm_cache": "dual"},
     "threshold": {"confidence_threshold": 0.9},
+    "sparse": {"dllm_cache": "dual", "retention_ratio": 0.5, "delay_step": 1},
 }
 REFERENCE = "none"  # agreement is measured against the exact engine run
 RANDOM_WEIGHTS_NOTE = ("random weights: the confidences are unlike a trained model's (near "

@@ -6,6 +6,8 @@ This covers decodes, prefills, prefix-cached prefills and chunks, mixed in one b
 non-causal attention a row's queries may sit anywhere in its context (the diffusion engine's
 dLLM caches): every backend attends them to all seq_lens[b] keys, and the caller's positions
 and slot_mapping say where they are (engine_service/diffusion/dllm_cache.py builds those).
+`head_sparsity` marks the rows of a diffusion forward under head-sparse attention
+(models/layers/head_sparse.py); every other forward leaves it None.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None  # host copies, so backends need not sync
     cu_seqlens_q_cpu: list[int] | None = None
     decode_only: bool = False  # every row has q_len == 1
+    head_sparsity: HeadSparsity | None = None
 
     def __post_init__(self) -> None:
         # Shape/dtype checks only: reading values would force a device sync every step.
@@ -56,6 +59,34 @@ class AttentionMetadata:
         if self.cu_seqlens_q_cpu is not None and len(self.cu_seqlens_q_cpu) != num_seqs + 1:
             raise ValueError(f"cu_seqlens_q_cpu must have {num_seqs + 1} entries, "
                              f"got {len(self.cu_seqlens_q_cpu)}")
+
+
+@dataclass
+class KeyChoice:
+    """A row at its block's choosing pass (head-sparse attention): it attends fully, then each
+    layer scores the candidate keys (every position outside the block) with the block's
+    queries and writes each KV head's kept positions into keys[layer]."""
+
+    block_queries: tuple[int, int]  # token range [start, end) of the block's queries
+    candidate_positions: torch.Tensor  # [C] int64, ascending
+    candidate_slots: torch.Tensor  # [C] int64: their KV cache slots
+    keys: torch.Tensor  # [num_layers, Hkv, n_keep] int64, written by the forward
+
+
+@dataclass
+class HeadSparsity:
+    """The rows of one forward that take part in head-sparse attention. The rows attending
+    only to their kept keys come last: the backend attends the leading `dense` rows (tokens
+    [0, num_dense_tokens)) as usual, and the trailing ones, padded to R rows of Q queries
+    over K keys, attend per KV head to the slots in key_slots."""
+
+    dense: AttentionMetadata  # the leading rows' metadata
+    num_dense_tokens: int
+    choices: list[KeyChoice]  # rows (among the dense ones) at their choosing pass
+    query_index: torch.Tensor  # [R, Q] int64: token of each trailing row's query (pad: any)
+    query_valid: torch.Tensor  # [R, Q] bool; row-major, its True entries are tokens in order
+    key_slots: torch.Tensor  # [num_layers, R, Hkv, K] int64: the cache slots each head reads
+    key_valid: torch.Tensor  # [R, K] bool
 
 
 class BlockTableCache:

@@ -144,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.layer_cls, backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        for i, attn in enumerate(self.attention_layers()):
+            attn.layer_idx = i  # its slice of per-layer state (head-sparse attention)
         if config.tie_word_embeddings:
             # Same vocab split as the embedding, so the shard is shared as is.
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -71,7 +71,7 @@ def test_every_variant_runs_and_plain_equals_the_exact_engine(tmp_path, capsys):
 
 def test_variants_are_checked():
     with pytest.raises(SystemExit):
-        _args("--model", "x", "--variants", "plain,sparse")
+        _args("--model", "x", "--variants", "plain,sparse2")
     assert _args("--model", "x", "--variants", "dual,plain").variants == ["dual", "plain"]
 
 

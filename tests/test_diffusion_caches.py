@@ -24,6 +24,7 @@ evictable) after each test.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,12 @@ def query_span(mode: str, num_prompt: int, length: int, start: int, end: int, re
 
 
 def reference_tokens(model, family: Family, mask_id: int, prompt: list[int],
-                     p: DiffusionParams, seed: int) -> tuple[list[int], int]:
+                     p: DiffusionParams, seed: int, before_forward: Callable | None = None
+                     ) -> tuple[list[int], int]:
     """(generated tokens, passes) of one request by the block-wise loop, temperature 0, with
-    p.dllm_cache's semantics."""
+    p.dllm_cache's semantics. `before_forward(twin, block, pass_in_block, span)`, if given,
+    hears of each pass's forward before it runs: the twin's index, the block (start, end)
+    and RefSeq.forward's (start, end, seq_len, num_unstored) (tests/test_diffusion_sparsity.py)."""
     num_prompt, shift, n = len(prompt), int(family.predicts_next_token), p.block_length
     x = list(prompt) + [mask_id] * p.gen_length
     twins = [RefSeq(model, x, num_prompt)]
@@ -144,8 +148,10 @@ def reference_tokens(model, family: Family, mask_id: int, prompt: list[int],
             lo, hi, unstored = query_span(p.dllm_cache, num_prompt, len(x), start, end, i == 0,
                                           shift)
             rows = []
-            for twin in twins:
+            for k, twin in enumerate(twins):
                 twin.tokens[num_prompt:] = x[num_prompt:]
+                if before_forward is not None:
+                    before_forward(k, (start, end), i, (lo, hi, len(x), unstored))
                 logits = twin.forward(lo, hi, len(x), unstored).double()
                 rows.append(logits[start - shift - lo:end - shift - lo])  # [n, V]
             block = rows[0]

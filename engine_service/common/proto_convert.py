@@ -55,7 +55,7 @@ def diffusion_params_from_proto(msg: pb.DiffusionParams) -> DiffusionParams:
     """Unset fields keep DiffusionParams' defaults; values are checked there."""
     kwargs = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
               if msg.HasField(f.name)}
-    for name in ("temperature", "cfg_scale", "confidence_threshold"):
+    for name in ("temperature", "cfg_scale", "confidence_threshold", "retention_ratio"):
         if name in kwargs:
             kwargs[name] = float32_to_decimal(kwargs[name])
     return DiffusionParams(**kwargs)

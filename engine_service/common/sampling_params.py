@@ -71,7 +71,12 @@ class DiffusionParams:
     `dllm_cache` (Fast-dLLM's approximate KV caches): "none" recomputes the whole canvas every
     pass (exact); "prefix" and "dual" compute the prompt's KV once and refresh the rest at
     each block's first pass; the other passes recompute the current block and everything
-    after it ("prefix") or the block alone ("dual"), reading the rest from the cache."""
+    after it ("prefix") or the block alone ("dual"), reading the rest from the cache.
+    `retention_ratio` (dLLM-Serve's head-sparse attention, "dual" only): a block's first
+    `delay_step` passes attend fully; at pass `delay_step`, also full, each KV head of each
+    layer keeps that fraction of the keys outside the block (prefix and suffix), those its
+    block's queries score highest, and the block's later passes attend only to those and the
+    block's own keys (a block of at most delay_step + 1 passes never attends sparsely)."""
 
     gen_length: int = 128
     steps: int = 128
@@ -81,6 +86,8 @@ class DiffusionParams:
     cfg_scale: float = 0.0
     confidence_threshold: float | None = None
     dllm_cache: str = "none"
+    retention_ratio: float | None = None
+    delay_step: int = 1
 
     def __post_init__(self) -> None:
         check_field(isinstance(self.gen_length, int) and self.gen_length >= 1, "gen_length",
@@ -102,6 +109,15 @@ class DiffusionParams:
                     "confidence_threshold", "in (0, 1] or unset", self.confidence_threshold)
         check_field(self.dllm_cache in DLLM_CACHES, "dllm_cache", f"one of {DLLM_CACHES}",
                     self.dllm_cache)
+        check_field(self.retention_ratio is None or 0 < self.retention_ratio <= 1,
+                    "retention_ratio", "in (0, 1] or unset", self.retention_ratio)
+        # The candidates are the dual cache's prefix and suffix, read as of the refresh.
+        check_field(self.retention_ratio is None or self.dllm_cache == "dual",
+                    "retention_ratio", f"unset unless dllm_cache is 'dual' (it is "
+                    f"{self.dllm_cache!r})", self.retention_ratio)
+        check_field(isinstance(self.delay_step, int) and self.delay_step >= 1, "delay_step",
+                    ">= 1 (full-attention passes of a block before its keys are chosen)",
+                    self.delay_step)
 
     @property
     def num_blocks(self) -> int:

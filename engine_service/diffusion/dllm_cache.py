@@ -20,6 +20,12 @@ attention is non-causal, so every backend attends each query to all seq_len keys
 come from positions, not from the row's end. Dream scores position i from row i - 1; when
 that row precedes a pass's queries it is queried too, reading the cache without writing it,
 so a cached prompt block is never rewritten.
+
+Head-sparse attention (a dual request's `retention_ratio`, models/layers/head_sparse.py): at
+its block's pass `delay_step` a request's pass attends fully and each layer keeps, per KV head,
+the candidate keys (all but the block's) its block's queries score highest, into the
+request's selection; the block's later passes attend only to those and the block's keys. Those
+passes go last in the forward, so the backend attends every other row in one call.
 """
 
 from __future__ import annotations
@@ -29,15 +35,33 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from engine_service.block_manager import BlockManager
 from engine_service.common.block_hash import hash_prompt_blocks
 from engine_service.sequence import Sequence
-from models.attention_metadata import AttentionMetadata, BlockTableCache
+from models.attention_metadata import (
+    AttentionMetadata,
+    BlockTableCache,
+    HeadSparsity,
+    KeyChoice,
+)
 from models.host_copy import host_to_device, to_device
 
 if TYPE_CHECKING:
     from engine_service.diffusion.engine import DiffusionRequest
+
+
+@dataclass(slots=True)
+class SparsePass:
+    """A head-sparse request's pass over its block [block_start, block_end) from pass
+    delay_step on: the choosing pass (`choose`) attends fully and fills `keys`, the later ones
+    attend to them and the block's keys."""
+
+    keys: torch.Tensor  # [num_layers, Hkv, n_keep] int64: each KV head's kept positions
+    choose: bool
+    block_start: int
+    block_end: int
 
 
 @dataclass(slots=True)
@@ -51,10 +75,15 @@ class Span:
     seq_len: int
     num_unstored: int = 0
     is_prompt: bool = False  # one prompt block's pass (seq_len: the block's end)
+    sparse: SparsePass | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def attends_kept_keys(self) -> bool:
+        return self.sparse is not None and not self.sparse.choose
 
 
 # Never a block's hash (xxh3 digests are unsigned), so never a prefix-cache hit.
@@ -100,28 +129,41 @@ def pass_span(seq: Sequence, mode: str, block_start: int, block_end: int, refres
     return Span(seq, start - extra, end, length, num_unstored=extra)
 
 
+def sparse_pass(req: DiffusionRequest, twin: int) -> SparsePass | None:
+    """The head-sparse part of a request's pass (for req.seqs[twin]), from its block's pass
+    delay_step on; None while it attends as usual."""
+    p = req.params
+    if p.retention_ratio is None or req.pass_in_block < p.delay_step:
+        return None
+    start = req.block_start
+    return SparsePass(req.selections[twin], req.pass_in_block == p.delay_step, start,
+                      start + p.block_length)
+
+
 def plan_step(running: list[DiffusionRequest], shift: int, block_size: int
               ) -> tuple[list[Span], list[int]]:
     """Every running request's spans (a pending prompt's blocks first, then the denoising
-    pass, for the request and its guidance twin) and the flat rows whose logits score each
-    block, in `running` order, a guided request's twin after it."""
+    pass, for the request and its guidance twin; the passes attending to kept keys only
+    moved last) and the flat rows whose logits score each block, in `running` order, a
+    guided request's twin after it."""
     spans: list[Span] = []
-    rows: list[int] = []
-    num_tokens = 0
+    scored: list[tuple[Span, int, int]] = []  # (pass, first scoring position, block_length)
     for req in running:
         p = req.params
         start = req.block_start
-        for seq in req.seqs:
+        for twin, seq in enumerate(req.seqs):
             if p.dllm_cache != "none":
-                for prompt in prompt_spans(seq, block_size):
-                    spans.append(prompt)
-                    num_tokens += prompt.num_tokens
+                spans.extend(prompt_spans(seq, block_size))
             span = pass_span(seq, p.dllm_cache, start, start + p.block_length,
                              req.pass_in_block == 0, shift)
+            span.sparse = sparse_pass(req, twin)
             spans.append(span)
-            first = num_tokens + start - shift - span.start
-            rows.extend(range(first, first + p.block_length))
-            num_tokens += span.num_tokens
+            scored.append((span, start - shift, p.block_length))
+    spans.sort(key=lambda span: span.attends_kept_keys)  # stable
+    offsets = itertools.accumulate((span.num_tokens for span in spans), initial=0)
+    offset = dict(zip(map(id, spans), offsets, strict=False))  # offsets: one more
+    rows = [offset[id(span)] + first - span.start + i
+            for span, first, n in scored for i in range(n)]
     return spans, rows
 
 
@@ -161,7 +203,74 @@ def pack(spans: list[Span], block_size: int, device: torch.device,
         cu_seqlens_q_cpu=cu,
         decode_only=max(q_lens) == 1,
     )
+    if any(span.sparse is not None for span in spans):
+        meta.head_sparsity = head_sparsity(spans, meta, block_size)
     return to_device(input_ids, torch.long, device), positions_t, meta
+
+
+def head_sparsity(spans: list[Span], meta: AttentionMetadata, block_size: int
+                  ) -> HeadSparsity:
+    """The head-sparse rows of a packed forward (plan_step put those attending to their kept
+    keys last): the leading rows' metadata, the choosing rows' candidates, and the trailing
+    rows' queries and key slots, padded to rectangles."""
+    cu, seq_lens = meta.cu_seqlens_q_cpu, meta.seq_lens_cpu
+    assert cu is not None and seq_lens is not None
+    device = meta.slot_mapping.device
+    tables = meta.block_tables.long()  # [B, max_blocks]
+    num_dense = sum(not span.attends_kept_keys for span in spans)
+    q_lens = [span.num_tokens for span in spans]
+    dense = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:cu[num_dense]],
+        cu_seqlens_q=meta.cu_seqlens_q[:num_dense + 1],
+        seq_lens=meta.seq_lens[:num_dense],
+        block_tables=meta.block_tables[:num_dense],
+        max_query_len=max(q_lens[:num_dense], default=0),
+        max_seq_len=max(seq_lens[:num_dense], default=0),
+        seq_lens_cpu=seq_lens[:num_dense],
+        cu_seqlens_q_cpu=cu[:num_dense + 1],
+        decode_only=max(q_lens[:num_dense], default=0) == 1,
+    )
+
+    def slots(rows: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return tables[rows, positions // block_size] * block_size + positions % block_size
+
+    choices = []
+    for row, span in enumerate(spans[:num_dense]):
+        sp = span.sparse
+        if sp is None:
+            continue
+        first = cu[row] - span.start  # token index of position 0's query, were it queried
+        candidates = to_device([*range(sp.block_start), *range(sp.block_end, span.seq_len)],
+                               torch.long, device)  # [C]
+        choices.append(KeyChoice((first + sp.block_start, first + sp.block_end), candidates,
+                                 slots(row, candidates), sp.keys))
+
+    trailing = spans[num_dense:]
+    q_len = max(q_lens[num_dense:], default=0)
+    num_keys = max((span.sparse.keys.shape[-1] + span.sparse.block_end
+                    - span.sparse.block_start for span in trailing), default=0)
+    index, query_valid, key_valid, positions = [], [], [], []
+    for row, span in enumerate(trailing, num_dense):
+        sp = span.sparse
+        index += [cu[row] + min(i, span.num_tokens - 1) for i in range(q_len)]
+        query_valid += [i < span.num_tokens for i in range(q_len)]
+        layers, heads, _ = sp.keys.shape
+        block = torch.arange(sp.block_start, sp.block_end, device=device)
+        keys = torch.cat([sp.keys, block.expand(layers, heads, -1)], dim=-1)  # [L, Hkv, k]
+        key_valid += [i < keys.shape[-1] for i in range(num_keys)]
+        positions.append(F.pad(keys, (0, num_keys - keys.shape[-1])))  # pad: position 0
+    num_rows = len(trailing)
+    key_slots = torch.empty(0, dtype=torch.long, device=device)  # no trailing rows
+    if positions:
+        stacked = torch.stack(positions, dim=1)  # [L, R, Hkv, K]
+        rows = torch.arange(num_dense, len(spans), device=device)[None, :, None, None]
+        key_slots = slots(rows, stacked)  # [L, R, Hkv, K]
+    return HeadSparsity(
+        dense=dense, num_dense_tokens=cu[num_dense], choices=choices,
+        query_index=to_device(index, torch.long, device).view(num_rows, q_len),
+        query_valid=to_device(query_valid, torch.bool, device).view(num_rows, q_len),
+        key_slots=key_slots,
+        key_valid=to_device(key_valid, torch.bool, device).view(num_rows, num_keys))
 
 
 def cache_prompts(spans: list[Span], bm: BlockManager) -> None:

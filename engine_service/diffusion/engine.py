@@ -9,7 +9,10 @@ positions that pass recomputes (engine_service/diffusion/dllm_cache.py). A pass 
 position of a request's current block and unmasks some (engine_service/diffusion/
 unmasking.py); a block whose last mask is gone is final and goes out as that request's new
 tokens. Requests join and leave the batch at any step. A request takes the blocks of its
-whole canvas when admitted, so it never needs more and is never preempted.
+whole canvas when admitted, so it never needs more and is never preempted. Under head-sparse
+attention (`retention_ratio`, dual cache) a request holds, for its current block, the key
+positions each layer's KV heads keep, chosen inside the forward of the block's pass
+`delay_step`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence as SequenceT
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +56,9 @@ class DiffusionRequest:
     schedule: tuple[int, ...] = ()  # unmasks per pass of this block (not under a threshold)
     pass_in_block: int = 0
     num_passes: int = 0  # forward passes taken
+    # Head-sparse attention: per sequence (the twin's after), this block's kept key positions
+    # [num_layers, Hkv, n_keep] int64 from its choosing pass on; empty before.
+    selections: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def block_start(self) -> int:
@@ -84,6 +90,8 @@ class DiffusionEngine(EngineServing):
         self.speculator = None  # the core process asks every engine for one
         self.total_stats = StepStats(num_steps=0)  # forward tokens, tokens out; LLM's bar
         self._table_cache = BlockTableCache()
+        layers = self.model_runner.model.attention_layers()
+        self._selection_shape = (len(layers), layers[0].num_kv_heads)  # per kept key
 
     # ------------------------------------------------------------------ requests
 
@@ -175,6 +183,7 @@ class DiffusionEngine(EngineServing):
         masked = req.seq.token_ids[start:start + p.block_length].count(self.mask_token_id)
         req.schedule = tuple(num_transfer_tokens(masked, p.steps_per_block))
         req.pass_in_block = 0
+        req.selections = []  # the last block's kept keys go
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -182,6 +191,7 @@ class DiffusionEngine(EngineServing):
         if not self.running:
             return []
         runner = self.model_runner
+        self._new_selections()
         spans, rows = plan_step(self.running, self.shift, self.block_manager.block_size)
         input_ids, positions, meta = pack(spans, self.block_manager.block_size, runner.device,
                                           self._table_cache)
@@ -201,6 +211,20 @@ class DiffusionEngine(EngineServing):
                 outputs.append(out)
                 self.total_stats.num_decode_tokens += len(out.new_token_ids)
         return outputs
+
+    def _new_selections(self) -> None:
+        """Room for the kept keys of the requests at their block's choosing pass, which this
+        step's forward fills: of the canvas's positions outside the block, the retention
+        ratio's share (at least one), the same count for every layer and KV head."""
+        for req in self.running:
+            p = req.params
+            if p.retention_ratio is None or req.pass_in_block != p.delay_step:
+                continue
+            candidates = req.seq.num_tokens - p.block_length
+            keep = min(max(1, int(candidates * p.retention_ratio)), candidates)
+            req.selections = [torch.empty(*self._selection_shape, keep, dtype=torch.long,
+                                          device=self.model_runner.device)
+                              for _ in req.seqs]
 
     def _predict(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Guidance, then one prediction and confidence per block position (host lists)."""

@@ -118,7 +118,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., diffusion: _Optional[_Union[DiffusionParams, _Mapping]] = ...) -> None: ...
 
 class DiffusionParams(_message.Message):
-    __slots__ = ("gen_length", "steps", "block_length", "remasking", "temperature", "cfg_scale", "confidence_threshold", "dllm_cache")
+    __slots__ = ("gen_length", "steps", "block_length", "remasking", "temperature", "cfg_scale", "confidence_threshold", "dllm_cache", "retention_ratio", "delay_step")
     GEN_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class DiffusionParams(_message.Message):
     CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     DLLM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DELAY_STEP_FIELD_NUMBER: _ClassVar[int]
     gen_length: int
     steps: int
     block_length: int
@@ -135,7 +137,9 @@ class DiffusionParams(_message.Message):
     cfg_scale: float
     confidence_threshold: float
     dllm_cache: str
-    def __init__(self, gen_length: _Optional[int] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., remasking: _Optional[str] = ..., temperature: _Optional[float] = ..., cfg_scale: _Optional[float] = ..., confidence_threshold: _Optional[float] = ..., dllm_cache: _Optional[str] = ...) -> None: ...
+    retention_ratio: float
+    delay_step: int
+    def __init__(self, gen_length: _Optional[int] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., remasking: _Optional[str] = ..., temperature: _Optional[float] = ..., cfg_scale: _Optional[float] = ..., confidence_threshold: _Optional[float] = ..., dllm_cache: _Optional[str] = ..., retention_ratio: _Optional[float] = ..., delay_step: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")

@@ -592,10 +592,15 @@ class Router:
             await self.health.set(name, status)
 
     async def _health_loop(self) -> None:
-        """SERVING while at least one engine can take requests."""
+        """SERVING while at least one engine can take requests; the first time only once one
+        of them has its KV snapshot in, so a restarted router never routes by load alone
+        (later snapshot gaps do not turn it NOT_SERVING)."""
         serving = None
+        synced = False
         while True:
-            now_serving = bool(self.pool.routable())
+            routable = self.pool.routable()
+            synced = synced or any(self.index.has_snapshot(e.key) for e in routable)
+            now_serving = bool(routable) and synced
             if now_serving != serving:
                 await self._set_health(now_serving)
                 serving = now_serving

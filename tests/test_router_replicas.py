@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import build_request
@@ -47,6 +48,11 @@ class HoldingFake(FakeEngine):
     def __init__(self, engine_id: str, behavior: FakeBehavior) -> None:
         super().__init__(engine_id, behavior)
         self.release = threading.Event()
+        self.snapshot_delay = 0.0  # seconds a KV subscription waits before its first batch
+
+    def SubscribeKvEvents(self, request, context):
+        time.sleep(self.snapshot_delay)
+        yield from super().SubscribeKvEvents(request, context)
 
     def Stream(self, request, context):
         for chunk in super().Stream(request, context):
@@ -201,8 +207,14 @@ def stream_engine(target: str, prompt: list[int], **kw) -> pb.GenerateChunk:
     return chunks[-1]
 
 
-def test_router_killed_mid_run_routes_a_cached_prefix_home_within_a_second_of_serving():
+@pytest.mark.parametrize("snapshot_delay", [0.0, 0.8])
+def test_router_killed_mid_run_routes_a_cached_prefix_home_within_a_second_of_serving(
+        snapshot_delay: float):
+    """With the snapshots slower than the router's health pass too: it turns SERVING only
+    once one is in, never routing by load alone."""
     fakes = start_fakes(3)
+    for fake in fakes:
+        fake.snapshot_delay = snapshot_delay
     router = start_router(targets(fakes), "--http-port", "0", "--log-level", "debug")
     restarted = None
     try:

@@ -35,15 +35,13 @@ from engine_service import LLM, SamplingParams
 from engine_service.common.block_hash import hash_prompt_blocks
 from engine_service.common.sampling_params import DLLM_CACHES, DiffusionParams
 from engine_service.diffusion.engine import DiffusionEngine
-from engine_service.diffusion.unmasking import draw_keys
-from models.layers.sampler import hashed_uniform
 from tests.helpers import random_prompts
+from tests.test_diffusion_engine import unmask_block
 from tests.test_diffusion_models import FAMILIES, Family, hf_model
 
 BLOCK = 4  # kv_block_size: prompts of a few tokens span several blocks
 ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256,
               kv_block_size=BLOCK)
-RANDOM_SALT = 1 << 40  # unmasking.py's offset of the random remasking rule's draws
 _ENGINES: list[DiffusionEngine] = []
 
 
@@ -157,22 +155,7 @@ def reference_tokens(model, family: Family, mask_id: int, prompt: list[int],
             block = rows[0]
             if p.cfg_scale > 0:
                 block = rows[1] + (p.cfg_scale + 1) * (rows[0] - rows[1])
-            block[:, mask_id] = -torch.inf
-            predicted = block.argmax(-1).tolist()
-            confidence = block.softmax(-1).max(-1).values.tolist()
-            if p.remasking == "random":
-                keys = torch.tensor(draw_keys(passes, range(b * n, (b + 1) * n)))
-                confidence = hashed_uniform(torch.full((n,), seed), keys + RANDOM_SALT,
-                                            1).squeeze(1).tolist()
-            masked = [j for j in range(n) if x[start + j] == mask_id]
-            masked.sort(key=lambda j: -confidence[j])
-            if p.confidence_threshold is None:
-                chosen = masked[:schedule[i]]
-            else:
-                chosen = masked[:1] + [j for j in masked[1:]
-                                       if confidence[j] >= p.confidence_threshold]
-            for j in chosen:
-                x[start + j] = predicted[j]
+            unmask_block(x, start, block, mask_id, p, seed, passes, b, schedule[i])
             i += 1
             passes += 1
     return x[num_prompt:], passes

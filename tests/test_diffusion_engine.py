@@ -23,6 +23,29 @@ ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=25
 RANDOM_SALT = 1 << 40  # unmasking.py's offset of the random remasking rule's draws
 
 
+def unmask_block(x: list[int], start: int, block: torch.Tensor, mask_id: int,
+                 p: DiffusionParams, seed: int, passes: int, b: int, count: int) -> None:
+    """One pass's unmasking of block b (scored by `block` [block_length, V], float64) in x,
+    as the papers define it: the `count` most confident masked positions (or every one
+    above the threshold, at least one); random remasking ranks by the engine's keyed draws."""
+    n = p.block_length
+    block[:, mask_id] = -torch.inf
+    predicted = block.argmax(-1).tolist()
+    confidence = block.softmax(-1).max(-1).values.tolist()
+    if p.remasking == "random":
+        keys = torch.tensor(draw_keys(passes, range(b * n, (b + 1) * n)))
+        confidence = hashed_uniform(torch.full((n,), seed), keys + RANDOM_SALT,
+                                    1).squeeze(1).tolist()
+    masked = [j for j in range(n) if x[start + j] == mask_id]
+    masked.sort(key=lambda j: -confidence[j])
+    if p.confidence_threshold is None:
+        chosen = masked[:count]
+    else:
+        chosen = masked[:1] + [j for j in masked[1:] if confidence[j] >= p.confidence_threshold]
+    for j in chosen:
+        x[start + j] = predicted[j]
+
+
 def reference_tokens(model, family: Family, mask_id: int, prompt: list[int],
                      p: DiffusionParams, seed: int) -> tuple[list[int], int]:
     """(generated tokens, passes) of one request by the papers' loop, with temperature 0."""
@@ -42,23 +65,7 @@ def reference_tokens(model, family: Family, mask_id: int, prompt: list[int],
                 un = hf_logits(model, uncond, causal=False).double()
                 logits = un + (p.cfg_scale + 1) * (logits - un)
             block = logits[start - shift:end - shift]
-            block[:, mask_id] = -torch.inf
-            predicted = block.argmax(-1).tolist()
-            confidence = block.softmax(-1).max(-1).values.tolist()
-            if p.remasking == "random":
-                n = p.block_length
-                keys = torch.tensor(draw_keys(passes, range(b * n, (b + 1) * n)))
-                confidence = hashed_uniform(torch.full((n,), seed), keys + RANDOM_SALT,
-                                            1).squeeze(1).tolist()
-            masked = [j for j in range(p.block_length) if x[start + j] == mask_id]
-            masked.sort(key=lambda j: -confidence[j])
-            if p.confidence_threshold is None:
-                chosen = masked[:schedule[i]]
-            else:
-                chosen = masked[:1] + [j for j in masked[1:]
-                                       if confidence[j] >= p.confidence_threshold]
-            for j in chosen:
-                x[start + j] = predicted[j]
+            unmask_block(x, start, block, mask_id, p, seed, passes, b, schedule[i])
             i += 1
             passes += 1
     return x[len(prompt):], passes

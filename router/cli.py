@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           model_name_help="None: the engines' model name (GetModelInfo)",
                           api_key_help="; the router sends it to the engines too")
     add_tls_arguments(parser, cert_help="serve TLS (gRPC and HTTP) with this certificate "
-                      "chain; also the client certificate shown to engines that require one",
+                      "chain; also the client certificate shown to engines that require one. "
+                      "The files are reread when they change (rotation needs no restart)",
                       ca_help="connect to engines over TLS, verifying them against this CA")
 
 

@@ -3,7 +3,8 @@
 One `EngineClient` per engine address owns a channel and three background loops:
   * health: grpc.health.v1 Check every `health_interval` s; on every turn to SERVING it
     (re)reads GetModelInfo (block size, hash scheme, engine id) — an engine that
-    restarted may have changed.
+    restarted may have changed. A check that cannot connect after the TLS files changed
+    (rotated) makes a new channel with them.
   * load: GetLoad every `load_interval` s. Between two reports the router adds what it
     sent itself (`begin_request`), so a burst does not pile onto one engine before the
     engine's figure catches up. A sent request stops counting when it ends, or once a
@@ -42,7 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_service.common.api_key import key_channel_interceptors
 from engine_service.common.block_hash import HASH_SCHEME
 from engine_service.common.sampling_params import DIFFUSION_ARCHITECTURES
-from engine_service.common.tls import channel_credentials, open_channel
+from engine_service.common.tls import PemFiles, channel_credentials, open_channel
 from nanoserve.v1 import nanoserve_pb2, nanoserve_pb2_grpc
 from router.config import RouterConfig, split_host_port
 from router.metrics import RouterMetrics
@@ -102,13 +103,10 @@ class EngineClient:
             # DNS discovery dials pod IPs; the engines' certificate names the DNS name.
             options.append(("grpc.ssl_target_name_override",
                             split_host_port(config.engine_dns)[0]))
-        self.channel = open_channel(
-            address, channel_credentials(config.tls_ca, config.tls_cert, config.tls_key),
-            options, aio=True,  # the router's --api-key goes to the engines too
-            interceptors=key_channel_interceptors(config.api_key))
-        self.generation = nanoserve_pb2_grpc.GenerationStub(self.channel)
-        self.engine = nanoserve_pb2_grpc.EngineStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._options = options
+        self._tls = (PemFiles(config.tls_ca, config.tls_cert, config.tls_key)
+                     if config.tls_ca else None)
+        self._open_channel()
         self.info: nanoserve_pb2.ModelInfo | None = None
         self.problem: str | None = None          # set when the router cannot use this engine
         self.serving = False
@@ -124,6 +122,35 @@ class EngineClient:
         self._sent_after: dict[int, int] = {}     # handle -> _counted when it was sent
         self._watched: dict[int, _Watched] = {}
         self._tasks: list[asyncio.Task] = []
+        self._kv_call: grpc.aio.Call | None = None  # the latest KV event subscription
+
+    def _open_channel(self) -> None:
+        """The channel and its stubs, with the TLS files as they are now."""
+        if self._tls is not None:
+            self._tls.take()  # before the credentials read them: a later change shows
+        config = self.config
+        self.channel = open_channel(
+            self.key, channel_credentials(config.tls_ca, config.tls_cert, config.tls_key),
+            self._options, aio=True,  # the router's --api-key goes to the engines too
+            interceptors=key_channel_interceptors(config.api_key))
+        self.generation = nanoserve_pb2_grpc.GenerationStub(self.channel)
+        self.engine = nanoserve_pb2_grpc.EngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def _reopen_if_rotated(self) -> None:
+        """A channel reconnects with the TLS files it was made with (grpcio has no reloading
+        channel credentials), so once it cannot connect and the files changed (a rotated CA
+        or client certificate) make a new one. Not while streams still run on the old one
+        (a draining engine's): closing it would cancel them; a later check does it."""
+        streaming = bool(self._sent_after) or (self._kv_call is not None
+                                               and not self._kv_call.done())
+        if self._tls is None or streaming or not self._tls.changed():
+            return
+        old = self.channel
+        self._open_channel()
+        log.info("engine %s: TLS files changed, new channel", self.key)
+        # a load poll may still wait on the old channel: its timeout is the grace
+        await old.close(grace=max(self.config.load_interval * 5, 1.0))
 
     @property
     def engine_id(self) -> str:
@@ -245,6 +272,8 @@ class EngineClient:
         except grpc.aio.AioRpcError as e:
             log.debug("engine %s health check failed: %s", self.key, e.code().name)
             serving = False
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # no connection, a failed handshake
+                await self._reopen_if_rotated()
         if serving and not self.serving:
             serving = await self._read_model_info(timeout)
             if serving:
@@ -348,7 +377,7 @@ class EngineClient:
     async def _follow_kv_events(self) -> bool:
         """One subscription; True when it ended on a gap (re-subscribe for a snapshot)."""
         after = self.index.resume_point(self.key)
-        call = self.engine.SubscribeKvEvents(
+        call = self._kv_call = self.engine.SubscribeKvEvents(
             nanoserve_pb2.SubscribeKvEventsRequest(after_sequence_number=after))
         try:
             async for batch in call:

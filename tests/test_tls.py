@@ -1,17 +1,21 @@
 """TLS and mTLS on every hop (engine_service/common/tls.py), with a throwaway CA made here:
-clients, `nanoserve generate`, the Node client, the router and real and fake engines."""
+clients, `nanoserve generate`, the Node client, the router and real and fake engines; and
+certificates rotated in place (a Kubernetes Secret's update) without a restart."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
 import ipaddress
+import itertools
+import socket
 import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.client import HTTPSConnection
 from pathlib import Path
 
 import httpx
@@ -20,9 +24,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients import AsyncClient, Client, Unavailable
-from engine_service.common.tls import server_credentials
+from engine_service.common.tls import channel_credentials, open_channel, server_credentials
 from router.config import RouterConfig
 from router.server import Router
 from tests.fake_engine import FakeEngine, start_fake_engine
@@ -245,3 +250,223 @@ def test_real_engine_and_router_all_tls_with_the_clis(tiny_model_dir: Path,
         if router is not None:
             router.stop()
         engine.stop()
+
+
+# ---- certificates rotate in place -------------------------------------------------------
+
+
+@dataclass
+class Leaf:
+    """A certificate for localhost and 127.0.0.1, for serving and as a client's."""
+    cert: bytes  # PEM
+    key: bytes
+    der: bytes   # what a handshake is served
+    cert_path: str
+    key_path: str
+
+
+def leaf(out: Path, name: str, signer: tuple) -> Leaf:
+    _, cert = issue(out, name, signer, (x509.DNSName("localhost"),
+                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))))
+    crt, key = out / f"{name}.crt", out / f"{name}.key"
+    return Leaf(crt.read_bytes(), key.read_bytes(), cert.public_bytes(serialization.Encoding.DER),
+                str(crt), str(key))
+
+
+@dataclass
+class Rotation:
+    ca: str        # a CA and three of its leaves
+    a: Leaf
+    b: Leaf
+    c: Leaf
+    new_ca: str    # the CA a Secret moves to, and its leaf
+    new: Leaf
+
+
+@pytest.fixture(scope="module")
+def rotation(tmp_path_factory: pytest.TempPathFactory) -> Rotation:
+    out = tmp_path_factory.mktemp("rotation")
+    ca, new_ca = issue(out, "ca"), issue(out, "new-ca")
+    return Rotation(str(out / "ca.crt"), leaf(out, "a", ca), leaf(out, "b", ca),
+                    leaf(out, "c", ca), str(out / "new-ca.crt"), leaf(out, "new", new_ca))
+
+
+class Secret:
+    """tls.crt, tls.key and ca.crt as the kubelet mounts a Secret: links through ..data to
+    the current version's directory, which an update (cert-manager's) swaps in one rename."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.versions = itertools.count()
+        self.cert, self.key, self.ca = (str(root / name) for name in ("tls.crt", "tls.key",
+                                                                      "ca.crt"))
+
+    def put(self, leaf: Leaf, ca: str) -> None:
+        version = self.root / f"..v{next(self.versions)}"
+        version.mkdir()
+        for name, data in (("tls.crt", leaf.cert), ("tls.key", leaf.key),
+                           ("ca.crt", Path(ca).read_bytes())):
+            (version / name).write_bytes(data)
+            if not (self.root / name).is_symlink():
+                (self.root / name).symlink_to(f"..data/{name}")
+        staged = self.root / "..data_tmp"
+        staged.symlink_to(version.name)
+        staged.replace(self.root / "..data")
+
+
+def tls_context(ca: str, client: Leaf | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=ca)
+    context.set_alpn_protocols(["h2", "http/1.1"])  # grpc's servers speak h2
+    if client is not None:
+        context.load_cert_chain(client.cert_path, client.key_path)
+    return context
+
+
+def served_cert(port: int, ca: str, name: str = "127.0.0.1", client: Leaf | None = None
+                ) -> bytes:
+    """The certificate (DER) a new TLS connection to 127.0.0.1:port is served, verified
+    against ca under `name` (an IP address sends no SNI, a DNS name does)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock, \
+            tls_context(ca, client).wrap_socket(sock, server_hostname=name) as tls:
+        return tls.getpeercert(binary_form=True)
+
+
+def test_router_serves_a_rotated_certificate_on_new_connections(
+        rotation: Rotation, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The Secret is rewritten: new gRPC (grpc.aio) and HTTPS connections get the new
+    certificate, with or without SNI; open ones keep working; a file caught half-written
+    keeps the last good certificate."""
+    secret = Secret(tmp_path)
+    secret.put(rotation.a, rotation.ca)
+
+    def health_status(https: HTTPSConnection) -> int:  # 503: the router has no engine
+        https.request("GET", "/health")
+        response = https.getresponse()
+        response.read()
+        return response.status
+
+    async def scenario() -> None:
+        router = Router(RouterConfig(engine=["127.0.0.1:1"], port=0, tls_cert=secret.cert,
+                                     tls_key=secret.key, http_port=0))
+        await router.start()
+        ports = (router.port, router.http.port)
+        # the connections made first, kept open (gRPC channel, HTTP keep-alive)
+        channel = open_channel(f"127.0.0.1:{router.port}", channel_credentials(rotation.ca),
+                               aio=True)
+        health = health_pb2_grpc.HealthStub(channel)
+        https = HTTPSConnection("127.0.0.1", router.http.port, timeout=5,
+                                context=tls_context(rotation.ca))
+
+        async def served(name: str = "127.0.0.1") -> list[bytes]:
+            return [await asyncio.to_thread(served_cert, port, rotation.ca, name)
+                    for port in ports]
+
+        async def answered() -> bool:  # over the connections made first
+            reply = await health.Check(health_pb2.HealthCheckRequest(service="liveness"),
+                                       timeout=5)
+            status = await asyncio.to_thread(health_status, https)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING and status == 503
+
+        try:
+            assert await served() == [rotation.a.der] * 2
+            assert await answered()
+            first_https = https.sock
+
+            secret.put(rotation.b, rotation.ca)
+            assert await served() == [rotation.b.der] * 2
+            assert await served("localhost") == [rotation.b.der] * 2
+            assert await answered()
+            assert https.sock is first_https  # the same connection, on certificate A
+            assert https.sock.getpeercert(binary_form=True) == rotation.a.der
+
+            Path(secret.cert).write_bytes(rotation.c.cert[:len(rotation.c.cert) // 2])
+            assert await served() == [rotation.b.der] * 2
+            assert "do not load" in caplog.text
+            secret.put(rotation.c, rotation.ca)
+            assert await served() == [rotation.c.der] * 2
+        finally:
+            https.close()
+            await channel.close()
+            await router.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_mtls_engine_rotates_its_certificate_and_ca(rotation: Rotation,
+                                                    tmp_path: Path) -> None:
+    """An engine (grpc's threaded server) requiring client certificates: a rotated pair
+    serves new connections, a rotated CA decides which client certificates they take; a
+    channel made before goes on."""
+    secret = Secret(tmp_path)
+    secret.put(rotation.a, rotation.ca)
+    fake, port = start_fake_engine(
+        engine_id="rotating", credentials=server_credentials(secret.cert, secret.key,
+                                                             secret.ca))
+    target = f"127.0.0.1:{port}"
+
+    def client(ca: str, leaf: Leaf) -> Client:
+        return Client(target, timeout=10, tls_ca=ca, tls_cert=leaf.cert_path,
+                      tls_key=leaf.key_path)
+
+    try:
+        with client(rotation.ca, rotation.a) as first:
+            assert first.generate([5], max_tokens=2).token_ids == [6, 7]
+            secret.put(rotation.b, rotation.ca)
+            assert served_cert(port, rotation.ca, client=rotation.a) == rotation.b.der
+            with client(rotation.ca, rotation.c) as other:
+                assert other.generate([1], max_tokens=1).token_ids == [2]
+
+            secret.put(rotation.new, rotation.new_ca)  # the Secret moves to a new CA
+            assert served_cert(port, rotation.new_ca, client=rotation.new) == rotation.new.der
+            with client(rotation.new_ca, rotation.new) as new:
+                assert new.generate([3], max_tokens=1).token_ids == [4]
+            with client(rotation.new_ca, rotation.a) as old_client_cert, \
+                    pytest.raises(Unavailable):
+                old_client_cert.generate([3], max_tokens=1)
+            assert first.generate([8], max_tokens=1).token_ids == [9]
+    finally:
+        fake.stop(0)
+
+
+def test_router_reaches_a_restarted_engine_with_its_rotated_ca(rotation: Rotation,
+                                                               tmp_path: Path) -> None:
+    """A channel reconnects with the files it was made with: after the Secret moved to a
+    new CA, an engine restarted with it is reached through a new channel."""
+    secret = Secret(tmp_path)
+    secret.put(rotation.a, rotation.ca)
+
+    def engine(port: int = 0) -> tuple[FakeEngine, int]:
+        return start_fake_engine(port, engine_id="restarted", credentials=server_credentials(
+            secret.cert, secret.key, secret.ca))
+
+    fake, port = engine()
+
+    async def generate_through(router: Router, ca: str, timeout: float = 10) -> str:
+        deadline = time.monotonic() + timeout
+        async with AsyncClient(f"127.0.0.1:{router.port}", timeout=5, tls_ca=ca) as client:
+            while True:
+                try:
+                    return (await client.generate([1, 2], max_tokens=2)).engine_id
+                except Unavailable:
+                    assert time.monotonic() < deadline, "the router never reached the engine"
+                    await asyncio.sleep(0.1)
+
+    async def scenario() -> None:
+        nonlocal fake
+        router = Router(RouterConfig(engine=[f"127.0.0.1:{port}"], port=0, health_interval=0.1,
+                                     tls_cert=secret.cert, tls_key=secret.key,
+                                     tls_ca=secret.ca, http_port=None))
+        try:
+            await router.start()
+            assert await generate_through(router, rotation.ca) == "restarted"
+            secret.put(rotation.new, rotation.new_ca)
+            await asyncio.to_thread(fake.stop, 0)
+            fake, _ = engine(port)
+            assert await generate_through(router, rotation.new_ca) == "restarted"
+        finally:
+            await router.stop(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.stop(0)

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import re
 import socket
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +41,7 @@ from engine_service.common.openai_protocol import (
 )
 from engine_service.common.proto_convert import MAX_REQUEST_BYTES, Refused, add_chunk
 from engine_service.common.sampling_params import quote
+from engine_service.common.tls import rotating_server_context
 from nanoserve.v1 import nanoserve_pb2 as pb
 
 if TYPE_CHECKING:
@@ -419,17 +419,25 @@ def bind_http(host: str, port: int) -> socket.socket:
 async def serve_http(app: FastAPI, sock: socket.socket, *, tls_cert: str | None = None,
                      tls_key: str | None = None, tls_ca: str | None = None) -> HttpServer:
     """Serve `app` on `sock` (bind_http) in the running loop; HTTPS with tls_cert/tls_key,
-    requiring client certificates signed by tls_ca when it is given."""
+    requiring client certificates signed by tls_ca when it is given, reread on every new
+    connection (tls.rotating_server_context)."""
     config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
-                            lifespan="off", ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-                            ssl_ca_certs=tls_ca,
-                            ssl_cert_reqs=ssl.CERT_REQUIRED if tls_ca else ssl.CERT_NONE)
+                            lifespan="off")
+    if tls_cert is not None:
+        # uvicorn loads PEM paths once; its loaded config's context is what it serves with,
+        # so put one there that follows the files (certificates rotate without a restart)
+        config.load()
+        try:
+            config.ssl = rotating_server_context(tls_cert, tls_key, tls_ca)
+        except OSError:  # files that do not load: the message names them
+            sock.close()
+            raise
     server = _Uvicorn(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="http-server")
     while not server.started:
         if task.done():
             sock.close()
-            task.result()  # raises what stopped it (a bad certificate, say)
+            task.result()  # raises what stopped it
             raise RuntimeError("the HTTP server stopped while starting")
         await asyncio.sleep(0.01)
     return HttpServer(server, task, sock.getsockname()[1], "https" if tls_cert else "http")

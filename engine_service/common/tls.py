@@ -4,18 +4,29 @@ router and the engines, the router's channels to engines, the clients and the te
 No CA given means plaintext. A server with a certificate and key speaks TLS; given a CA as
 well it requires client certificates signed by that CA (mTLS). A channel given a CA speaks
 TLS and verifies the server against it, presenting a certificate and key when it has them.
+
+Certificates rotate in place (cert-manager renews a Secret; the kubelet swaps its mounted
+directory at once): servers reread their files on every new handshake and serve the new
+ones once they load (`ServerPems`; gRPC through grpcio's dynamic server credentials, HTTPS
+through `rotating_server_context`); connections already open keep their certificate. A
+channel reads its files when it is made (`PemFiles` tells its owner when to make another).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import ssl
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from engine_service.common.listen import cannot_listen
+
+log = logging.getLogger("nanoserve.tls")
 
 ChannelOptions = Sequence[tuple[str, Any]]
 
@@ -58,15 +69,122 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
+class PemFiles:
+    """PEM files that may be rewritten under a running process, and whether they changed
+    since they were last taken. Compared by content: a rewrite within one timestamp tick
+    can keep both size and mtime."""
+
+    def __init__(self, *paths: str | None) -> None:
+        self.paths = paths
+        self.taken: tuple[bytes | None, ...] | str | None = self.read()
+
+    def read(self) -> tuple[bytes | None, ...] | str:
+        """Their bytes now, or why one cannot be read (a path missing mid-rewrite)."""
+        try:
+            return tuple(_read(path) for path in self.paths)
+        except OSError as e:
+            return str(e)
+
+    def changed(self) -> bool:
+        return self.read() != self.taken
+
+    def names(self) -> str:
+        return ", ".join(path for path in self.paths if path is not None)
+
+    def take(self) -> None:
+        self.taken = self.read()
+
+
+def _server_context(cert: str, key: str | None, ca: str | None) -> ssl.SSLContext:
+    """An HTTPS server's context: cert/key; client certificates signed by ca required when
+    given. Raises ssl.SSLError (an OSError) when the files do not load."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    if ca is not None:
+        context.load_verify_locations(ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class ServerPems:
+    """A server's certificate, key and optional client CA, reloaded when their files change.
+
+    `refresh()` runs on every new handshake, so it is cheap while nothing changed (three
+    small reads). Files that do not load (caught half-written, a key that does not match
+    its certificate) keep the last good ones, with a warning, until they change again.
+    """
+
+    def __init__(self, cert: str, key: str | None, ca: str | None = None) -> None:
+        self.files = PemFiles(cert, key, ca)
+        try:
+            self.context = _server_context(cert, key, ca)
+        except OSError as e:
+            raise OSError(f"TLS files {self.files.names()} do not load: {e}") from None
+        if isinstance(self.files.taken, str):  # gone again since it loaded: start-up race
+            raise OSError(f"TLS files {self.files.names()}: {self.files.taken}")
+        self.pems = self.files.taken
+        self._lock = threading.Lock()  # grpc calls in from its own threads
+
+    def refresh(self) -> bool:
+        """Reread the files; True when they changed and load (then `pems` and `context` are
+        the new ones)."""
+        with self._lock:
+            now = self.files.read()
+            if now == self.files.taken:
+                return False
+            self.files.taken = now
+            try:
+                if isinstance(now, str):
+                    raise OSError(now)
+                context = _server_context(*self.files.paths)
+            except OSError as e:
+                log.warning("TLS files %s changed but do not load (%s); still serving the "
+                            "previous certificate", self.files.names(), e)
+                return False
+            if self.files.read() != now:  # rewritten while it loaded: look again next time
+                self.files.taken = None
+                return False
+            self.pems, self.context = now, context
+        log.info("TLS certificate reloaded from %s", self.files.paths[0])
+        return True
+
+
 def server_credentials(cert: str | None, key: str | None,
                        ca: str | None = None) -> grpc.ServerCredentials | None:
     """TLS with cert/key (None without them: plaintext); with ca, clients must present a
-    certificate signed by it."""
+    certificate signed by it. The files are reread before every new connection's handshake
+    (rotation); OSError naming them when they do not load at start."""
     if cert is None or key is None:
         return None
-    return grpc.ssl_server_credentials([(_read(key), _read(cert))],
-                                       root_certificates=_read(ca),
-                                       require_client_auth=ca is not None)
+    pems = ServerPems(cert, key, ca)
+
+    def config() -> grpc.ServerCertificateConfiguration:
+        cert_pem, key_pem, ca_pem = pems.pems
+        return grpc.ssl_server_certificate_configuration([(key_pem, cert_pem)], ca_pem)
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # grpc asks before each new connection's handshake; None keeps what it has
+        return config() if pems.refresh() else None
+
+    return grpc.dynamic_ssl_server_credentials(config(), fetch,
+                                               require_client_authentication=ca is not None)
+
+
+def rotating_server_context(cert: str, key: str | None,
+                            ca: str | None = None) -> ssl.SSLContext:
+    """The SSLContext for an asyncio (uvicorn) HTTPS server, serving each new connection the
+    files as they are then: its sni_callback, which OpenSSL runs on every ClientHello (with
+    or without SNI), moves the connection to the newest context that loaded."""
+    pems = ServerPems(cert, key, ca)
+    served = pems.context
+
+    def newest(conn: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        pems.refresh()
+        if pems.context is not served:
+            conn.context = pems.context
+
+    served.sni_callback = newest
+    return served
 
 
 def channel_credentials(ca: str | None, cert: str | None = None,

@@ -298,17 +298,6 @@ FLEET_TENANTS_PER_ENGINE = 16
 FLEET_RATE_PER_ENGINE = 16.0  # conversations started per second
 
 
-def _routing_rows(text: str) -> dict[str, dict[str, str]]:
-    """The routing benchmark's table, by policy (header names as printed)."""
-    lines = [x for x in text.splitlines() if x.startswith("| ")]
-    if not lines:
-        return {}
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [dict(zip(header, (c.strip() for c in x.strip("|").split("|")), strict=False))
-            for x in lines[1:] if not x.startswith("|---")]
-    return {r["policy"]: r for r in rows if "policy" in r}
-
-
 def stage_fleet(args) -> None:
     """One engine per GPU (Qwen3-0.6B shape, dummy weights) behind one router, on the
     routing benchmark's multi-tenant workload: N engines under prefix, least-load and
@@ -316,6 +305,8 @@ def stage_fleet(args) -> None:
     Target: N engines under prefix >= 0.9 x N x one engine's output tok/s, and TTFT p99 below
     round-robin's."""
     import torch
+
+    from benchmarks.routing import parse_table
 
     n = torch.cuda.device_count()
     runs = {1: "prefix", n: "prefix,least-load,round-robin"}
@@ -328,7 +319,7 @@ def stage_fleet(args) -> None:
             "--num-kv-blocks", str(FLEET_KV_BLOCKS), "--tenants",
             str(FLEET_TENANTS_PER_ENGINE * engines), "--rate",
             str(FLEET_RATE_PER_ENGINE * engines), *FLEET_WORKLOAD), timeout=540)
-        tables[engines] = _routing_rows(text)
+        tables[engines] = {row["policy"]: row for row in parse_table(text)}
         for policy, row in tables[engines].items():
             ROWS.append((f"fleet: {engines} engine(s), {policy}",
                          f"{row.get('output tok/s', '?')} tok/s",

@@ -421,6 +421,16 @@ def table(results: list[PolicyResult]) -> str:
     return "\n".join(rows)
 
 
+def parse_table(text: str) -> list[dict[str, str]]:
+    """The rows of the table `table()` printed into `text`, keyed by its header."""
+    lines = [x for x in text.splitlines() if x.startswith("| ")]
+    if not lines:
+        return []
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in x.strip("|").split("|")), strict=True))
+            for x in lines[1:]]
+
+
 def comparison(results: list[PolicyResult]) -> str | None:
     """prefix against round-robin (each at its fewest routers): hit-rate ratio and TTFT p50."""
     def first(policy: str) -> PolicyResult | None:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.routing import PolicyResult, comparison, make_workload, replay, table
+from benchmarks.routing import (
+    PolicyResult,
+    comparison,
+    make_workload,
+    parse_table,
+    replay,
+    table,
+)
 from benchmarks.routing_oracle import EngineView, Oracle, choose
 from benchmarks.routing_senders import (
     Reply,
@@ -184,18 +191,11 @@ def _run(policy: str, routers: str, cached: int, ttfts: list[float]) -> PolicyRe
     return PolicyResult(policy, routers, turns, seconds=2.0, engine_requests=[len(turns), 0])
 
 
-def _parse_table(stdout: str) -> list[dict[str, str]]:
-    lines = [x for x in stdout.splitlines() if x.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [[c.strip() for c in x.strip("|").split("|")] for x in lines[2:]]
-    return [dict(zip(header, row, strict=True)) for row in rows]
-
-
 def test_table_ratios_percentiles_and_an_unavailable_route():
     results = [_run("prefix", "1", 50, [0.1, 0.3, 0.2]), _run("prefix", "2", 25, [0.4]),
                _run("round-robin", "1", 20, [0.5]), _run("oracle", "-", 80, [0.2]),
                PolicyResult("sglang", "1", unavailable="no | gateway\nhere")]
-    rows = _parse_table(table(results))
+    rows = parse_table(table(results))
     assert [(r["policy"], r["routers"]) for r in rows][:4] == [
         ("prefix", "1"), ("prefix", "2"), ("round-robin", "1"), ("oracle", "-")]
     assert [r["hit rate / oracle"] for r in rows[:4]] == ["0.62", "0.31", "0.25", "1.00"]
@@ -208,7 +208,7 @@ def test_table_ratios_percentiles_and_an_unavailable_route():
     assert comparison(results) == ("prefix vs round-robin: hit rate 2.50x (0.500 vs 0.200), "
                                    "TTFT p50 200.0 vs 500.0 ms")
     # no oracle and one router each: no ratio columns
-    plain = _parse_table(table(results[:1] + results[2:3]))
+    plain = parse_table(table(results[:1] + results[2:3]))
     assert "hit rate / oracle" not in plain[0] and "hit rate / 1 router" not in plain[0]
 
 
@@ -237,7 +237,7 @@ def test_bench_routing_end_to_end(tiny_model_dir, tmp_path):
         stdout, stderr = proc.communicate(timeout=60)
     out = stdout[-3000:] + stderr[-3000:]
     assert proc.returncode == 0, out
-    rows = {r["policy"]: r for r in _parse_table(stdout)}
+    rows = {r["policy"]: r for r in parse_table(stdout)}
     assert list(rows) == ["prefix", "prefix@http", "oracle", "sglang"], out
     assert [rows[p]["routers"] for p in ("prefix", "prefix@http", "oracle")] == ["2", "2", "-"]
     ran = [p for p, r in rows.items() if not r["routers"].startswith("unavailable: ")]

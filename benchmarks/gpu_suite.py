@@ -102,8 +102,14 @@ def stage_single(args) -> None:
 
 def stage_serve(args) -> None:
     """The workload as concurrent streams through a router to one engine: gRPC, then the
-    router's OpenAI HTTP front (to compare with the offline stage of the same run)."""
-    from benchmarks.procs import ServerProc
+    router's OpenAI HTTP front (to compare with the offline stage of the same run). Each
+    front gets fresh processes, so its prompts meet an empty prefix cache, as offline."""
+    for name, http in (("serve", False), ("serve_http", True)):
+        _serve_once(args, name, http)
+
+
+def _serve_once(args, name: str, http: bool) -> None:
+    from benchmarks.procs import ServerProc, cpu_seconds
     from clients import Client
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -116,27 +122,34 @@ def stage_serve(args) -> None:
             router = ServerProc("router", ["router", "--engine", engine.target, "--port", "0",
                                            "--http-port", "0"])
             router.wait_for("router listening on", timeout=60)
-            http = f"127.0.0.1:{router.http_address()[1]}"
+            target = ([f"127.0.0.1:{router.http_address()[1]}", "--http"] if http
+                      else [router.target])
             with Client(engine.target) as client:
                 vocab = str(client.model_info().vocab_size)
         except RuntimeError as e:
-            ROWS.append(("serve", f"did not start: {str(e)[:200]}", ""))
+            ROWS.append((name, f"did not start: {str(e)[:200]}", ""))
             return
-        for name, target in (("serve", [router.target]), ("serve_http", [http, "--http"])):
-            text = sh(name, nanoserve("bench", "serve", "--target", *target, "--vocab-size",
-                                      vocab), timeout=420)
-            m = re.search(r"Throughput: ([\d.]+) tok/s\s+TTFT p50/p99: ([\d./]+) ms\s+ITL "
-                          r"p50/p99: ([\d./]+) ms", text)
-            ROWS.append((f"{name} via router (256 streams at once)", _found(m, "tok/s"),
-                         "vs offline"))
-            if m:
-                ROWS.append((f"{name} TTFT / inter-chunk p50/p99",
-                             f"{m.group(2)} ms / {m.group(3)} ms", ""))
+        cpu = cpu_seconds(router.proc.pid)
+        text = sh(name, nanoserve("bench", "serve", "--target", *target, "--vocab-size",
+                                  vocab), timeout=420)
+        cpu = cpu_seconds(router.proc.pid) - cpu
+        m = re.search(r"Throughput: ([\d.]+) tok/s\s+TTFT p50/p99: ([\d./]+) ms\s+ITL "
+                      r"p50/p99: ([\d./]+) ms", text)
+        ROWS.append((f"{name} via router (256 streams at once)", _found(m, "tok/s"),
+                     "vs offline"))
+        if m:
+            ROWS.append((f"{name} TTFT / inter-chunk p50/p99",
+                         f"{m.group(2)} ms / {m.group(3)} ms", ""))
+        t = re.search(r"Time: ([\d.]+)s.*client CPU ([\d.]+) s", text, re.S)
+        if t:
+            ROWS.append((f"{name}: CPU of router / client, share of a core",
+                         f"{cpu / float(t.group(1)):.0%} / "
+                         f"{float(t.group(2)) / float(t.group(1)):.0%}", ""))
     finally:
         for proc in (router, engine):
             if proc is not None:
                 proc.stop(timeout=60)
-                (OUT / f"serve_{proc.name}.log").write_text(proc.output())
+                (OUT / f"{name}_{proc.name}.log").write_text(proc.output())
 
 
 def stage_profile(args) -> None:

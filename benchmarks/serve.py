@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import AsyncIterator
 
+import orjson
 from tqdm.auto import tqdm
 
 from benchmarks.results import percentile, record
@@ -38,25 +38,36 @@ async def _grpc_stream(client, req: BenchRequest, seed: int, temperature: float
         yield len(chunk.token_ids)
 
 
-async def _http_stream(client, req: BenchRequest, seed: int, temperature: float
+async def _http_stream(session, req: BenchRequest, seed: int, temperature: float
                        ) -> AsyncIterator[int]:
-    """Tokens per chunk: each choice event counts one token (text may be empty: ids the
+    """Tokens per read: each choice event counts one token (text may be empty: ids the
     tokenizer cannot show), the usage event the rest."""
     body = {"model": None, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
             "temperature": temperature, "ignore_eos": True, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with session.post("/v1/completions", json=body) as response:
         response.raise_for_status()
-        counted = 0
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                yield event["usage"]["completion_tokens"] - counted
-            elif event["choices"]:
-                counted += 1
-                yield 1
+        counted, rest = 0, b""
+        async for data in response.content.iter_any():
+            *events, rest = (rest + data).split(b"\n\n")
+            tokens = 0
+            for event in events:
+                if event == b"data: [DONE]":
+                    continue
+                payload = orjson.loads(event.removeprefix(b"data: "))
+                if payload.get("usage"):
+                    tokens += payload["usage"]["completion_tokens"] - counted
+                elif payload["choices"]:
+                    counted += 1
+                    tokens += 1
+            if tokens:
+                yield tokens
+
+
+async def _server_info(session) -> dict:
+    async with session.get("/get_server_info") as response:
+        response.raise_for_status()
+        return await response.json()
 
 
 async def _one(stream, req: BenchRequest, seed: int, temperature: float, sem, bar,
@@ -80,11 +91,14 @@ async def _one(stream, req: BenchRequest, seed: int, temperature: float, sem, ba
 
 async def run(args: argparse.Namespace) -> dict[str, float]:
     if args.http:
-        import httpx
+        # aiohttp, as vLLM's serving benchmark: httpx's pure-Python HTTP/1.1 costs the client
+        # about twice what the server spends on an event
+        import aiohttp
 
-        client = httpx.AsyncClient(base_url=f"http://{args.target}", timeout=None,
-                                   limits=httpx.Limits(max_connections=None))
-        vocab = lambda: client.get("/get_server_info")
+        client = aiohttp.ClientSession(f"http://{args.target}",
+                                       connector=aiohttp.TCPConnector(limit=0),
+                                       timeout=aiohttp.ClientTimeout(total=None))
+        vocab = lambda: _server_info(client)
         stream = lambda req, seed, t: _http_stream(client, req, seed, t)
     else:
         from clients import AsyncClient
@@ -96,23 +110,23 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         vocab_size = args.vocab_size
         if vocab_size is None:
             info = await vocab()
-            vocab_size = info.json()["vocab_size"] if args.http else info.vocab_size
+            vocab_size = info["vocab_size"] if args.http else info.vocab_size
         reqs = workload_from_args(args, vocab_size)
         sem = asyncio.Semaphore(args.concurrency or len(reqs))
         ttfts: list[float] = []
         itls: list[float] = []
         bar = tqdm(total=len(reqs), desc="Streams", dynamic_ncols=True)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         counts = await asyncio.gather(*(
             _one(stream, r, i, args.temperature, sem, bar, ttfts, itls)
             for i, r in enumerate(reqs)))
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         bar.close()
     total = sum(counts)
     expected = sum(r.max_tokens for r in reqs)
     if total != expected:
         raise SystemExit(f"error: expected {expected} tokens (ignore_eos), got {total}")
-    return {"requests": len(reqs), "tokens": total, "seconds": elapsed,
+    return {"requests": len(reqs), "tokens": total, "seconds": elapsed, "client_cpu": cpu,
             "throughput": total / elapsed,
             "ttft_p50": statistics.median(ttfts), "ttft_p99": percentile(ttfts, 99),
             "itl_p50": statistics.median(itls) if itls else float("nan"),
@@ -121,7 +135,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
 
 def main(args: argparse.Namespace) -> int:
     r = asyncio.run(run(args))
-    print(f"Requests: {r['requests']}  Output tokens: {r['tokens']}  Time: {r['seconds']:.2f}s")
+    print(f"Requests: {r['requests']}  Output tokens: {r['tokens']}  Time: {r['seconds']:.2f}s"
+          f"  client CPU {r['client_cpu']:.2f} s")
     print(f"Throughput: {r['throughput']:.2f} tok/s  TTFT p50/p99: {r['ttft_p50']*1e3:.1f}/"
           f"{r['ttft_p99']*1e3:.1f} ms  ITL p50/p99: {r['itl_p50']*1e3:.2f}/"
           f"{r['itl_p99']*1e3:.2f} ms")

@@ -235,7 +235,7 @@ class _SseResponse(StreamingResponse):
 
 
 async def _sse(builder: ResponseBuilder, count: int, first: tuple[int, pb.GenerateChunk],
-               choices: AsyncIterator[tuple[int, pb.GenerateChunk]]) -> AsyncIterator[str]:
+               choices: AsyncIterator[tuple[int, pb.GenerateChunk]]) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(choices):
         for event in builder.sse_start(count):
             yield event

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine_service.common.proto_convert import (
@@ -40,7 +41,7 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                     "stop_token_ids", "ignore_eos", "skip_special_tokens", "allowed_token_ids")
-DONE_EVENT = "data: [DONE]\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -276,8 +277,8 @@ def generate_requests(req: CompletionRequest | ChatRequest, card: ModelCard,
 # ---- GenerateChunks -> OpenAI responses ------------------------------------------------------
 
 
-def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class ResponseBuilder:
@@ -305,7 +306,7 @@ class ResponseBuilder:
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage({i: o.usage for i, o in enumerate(outs)})}
 
-    def sse_start(self, num_choices: int) -> list[str]:
+    def sse_start(self, num_choices: int) -> list[bytes]:
         """Chat streams open every choice with the assistant's role."""
         if not self.chat:
             return []
@@ -313,13 +314,13 @@ class ResponseBuilder:
                               "logprobs": None, "finish_reason": None}])
                 for i in range(num_choices)]
 
-    def sse_chunk(self, index: int, chunk: pb.GenerateChunk) -> str:
+    def sse_chunk(self, index: int, chunk: pb.GenerateChunk) -> bytes:
         if chunk.finish_reason:
             self.usages[index] = chunk.usage
         return self._event([self._choice(index, chunk.text, chunk.logprobs, chunk.finish_reason,
                                          chunk.stop_reason, True, chunk.token_ids)])
 
-    def sse_end(self) -> list[str]:
+    def sse_end(self) -> list[bytes]:
         usage = [self._event([], self.usage(self.usages))] if self.include_usage else []
         return [*usage, DONE_EVENT]
 
@@ -336,7 +337,7 @@ class ResponseBuilder:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _event(self, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None = None) -> str:
+               usage: dict[str, Any] | None = None) -> bytes:
         payload = {"id": self.id, "object": "chat.completion.chunk" if self.chat
                    else "text_completion", "created": self.created, "model": self.model,
                    "choices": choices}

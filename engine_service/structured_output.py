@@ -4,6 +4,7 @@ request's tokens, and a step's token bitmask is filled on the CPU while its forw
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -57,7 +58,7 @@ def json_schema_text(schema: str) -> str:
         return schema  # not JSON: xgrammar's parser says why
 
 
-def _parse(kind: str, value) -> xgr.Grammar:
+def _parse(kind: str, value: str | bool | tuple[str, ...]) -> xgr.Grammar:
     if kind == "json_schema":
         return xgr.Grammar.from_json_schema(json_schema_text(value), any_whitespace=False)
     if kind == "regex":
@@ -65,7 +66,7 @@ def _parse(kind: str, value) -> xgr.Grammar:
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(value)
     if kind == "choice":
-        return xgr.Grammar.from_ebnf(choice_grammar(value))
+        return xgr.Grammar.from_ebnf(choice_grammar(list(value)))
     return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
 
 
@@ -102,6 +103,9 @@ class StructuredOutput:
         self.eos_token_ids = eos_token_ids
         self.pin_memory = pin_memory
         self._compiler: xgr.GrammarCompiler | None = None
+        # Parsing a schema takes milliseconds, on the thread that accepts requests; requests
+        # usually repeat a few constraints, so parsed ones are kept by their text.
+        self._parse = functools.lru_cache(maxsize=256)(_parse)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         # One thread: filling a row takes microseconds, less than handing it to a pool
         # (more threads filled 256 rows three to four times slower on a 16-core host).
@@ -120,7 +124,7 @@ class StructuredOutput:
                 or Path(self.model_dir, "tokenizer_config.json").exists()):
             raise ValueError(f"{kind} needs the model's tokenizer, which {self.model_dir} lacks")
         try:
-            return _parse(kind, value)
+            return self._parse(kind, value if isinstance(value, str | bool) else tuple(value))
         except Exception as e:  # xgrammar raises RuntimeError and its own error types
             message = _SOURCE_PREFIX.sub("", str(e)).strip()
             raise ValueError(f"{kind} does not compile: {message}") from None

@@ -31,7 +31,7 @@ class Block:
 
 
 class BlockManager:
-    """Blocks `0..num_blocks-1`. Invariants (check_consistency): a block is free iff its
+    """Blocks `0..num_blocks-1`. Invariants (tests: check_block_manager): a block is free iff its
     ref_count is 0, and has a hash iff the table maps that hash to it. Preempted sequences
     look up the prefix cache over all their tokens (prompt + outputs so far)."""
 
@@ -151,20 +151,6 @@ class BlockManager:
     def take_events(self) -> list[KvEvent]:
         events, self._events = self._events, []
         return events
-
-    def check_consistency(self) -> None:
-        """For tests: raise AssertionError if an invariant is broken (survives -O)."""
-        for block in self.blocks:
-            in_free = block.block_id in self.free_blocks
-            if block.ref_count < 0 or (block.ref_count == 0) != in_free:
-                raise AssertionError(f"block {block.block_id}: ref_count={block.ref_count}, "
-                                     f"in free list={in_free}")
-            if block.block_hash is not None and \
-                    self.hash_to_block.get(block.block_hash) != block.block_id:
-                raise AssertionError(f"block {block.block_id} has a hash the table lacks")
-        for block_hash, block_id in self.hash_to_block.items():
-            if self.blocks[block_id].block_hash != block_hash:
-                raise AssertionError(f"hash table entry {block_hash} -> {block_id} is stale")
 
     def all_free(self) -> bool:
         return len(self.free_blocks) == self.num_blocks and \

@@ -92,9 +92,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is _FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, "

@@ -169,8 +169,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0, bound: float = 1e-3) -> None:
-    """Random weights for `--load-format dummy` (benchmarks): uniform(-bound, bound) as vLLM
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for `--load-format dummy` (benchmarks): uniform(-1e-3, 1e-3) as vLLM
     draws them, RMSNorm weights 1. Greedy output then falls into loops, as a real model's
     can, which gives prompt lookup work. Deterministic for a seed (each rank draws for its
     own shard)."""
@@ -183,4 +183,4 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, bound: float = 1e-3) -> 
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-        param.data.uniform_(-bound, bound, generator=gen)
+        param.data.uniform_(-1e-3, 1e-3, generator=gen)

@@ -7,6 +7,7 @@ import random
 import torch
 
 from engine_service import SamplingParams
+from engine_service.block_manager import BlockManager
 
 
 def random_prompts(n: int, vocab: int = 300, seed: int = 0, lo: int = 1,
@@ -68,3 +69,18 @@ def spy_prefill_chunks(llm) -> list[int]:
     """The sizes of the prompt chunks that did not finish their prompt (no token sampled)."""
     return spy_schedule(llm, lambda out: (s.num_new_tokens for s in out.scheduled
                                           if not s.sample))
+
+
+def check_block_manager(bm: BlockManager) -> None:
+    """Raise AssertionError if a BlockManager invariant is broken (survives -O)."""
+    for block in bm.blocks:
+        in_free = block.block_id in bm.free_blocks
+        if block.ref_count < 0 or (block.ref_count == 0) != in_free:
+            raise AssertionError(f"block {block.block_id}: ref_count={block.ref_count}, "
+                                 f"in free list={in_free}")
+        if block.block_hash is not None and \
+                bm.hash_to_block.get(block.block_hash) != block.block_id:
+            raise AssertionError(f"block {block.block_id} has a hash the table lacks")
+    for block_hash, block_id in bm.hash_to_block.items():
+        if bm.blocks[block_id].block_hash != block_hash:
+            raise AssertionError(f"hash table entry {block_hash} -> {block_id} is stale")

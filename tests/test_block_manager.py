@@ -14,6 +14,7 @@ from engine_service.block_manager import BlockManager, KvEvent
 from engine_service.common.block_hash import hash_prompt_blocks
 from engine_service.common.sampling_params import SamplingParams
 from engine_service.sequence import Sequence
+from tests.helpers import check_block_manager
 
 _ids = iter(range(10**9))
 
@@ -61,7 +62,7 @@ def managers() -> Iterator[list[BlockManager]]:
     made: list[BlockManager] = []
     yield made
     for bm in made:
-        bm.check_consistency()
+        check_block_manager(bm)
         assert bm.all_free(), "a test left blocks referenced"
         assert bm.num_used_blocks == 0
 
@@ -139,9 +140,9 @@ def test_recomputed_sequence_looks_up_outputs_too(new_bm) -> None:
     a = make_seq([1, 2, 3, 4, 5, 6])
     compute(bm, a)
     for t in (7, 8, 9):  # decode three tokens: the block [5..8] fills and gets hashed
-        a.append_token(t)
+        a.token_ids.append(t)
         compute(bm, a, 1)
-    a.append_token(10)  # sampled, not computed yet
+    a.token_ids.append(10)  # sampled, not computed yet
     assert bm.cached_block_hashes() == hash_prompt_blocks(list(range(1, 9)), 4)
     bm.free(a)
     a.num_computed_tokens, a.num_preemptions, cached_first = 0, 1, a.num_cached_tokens
@@ -168,7 +169,7 @@ def test_hash_collision_is_confirmed_against_tokens(new_bm, monkeypatch) -> None
     # other's blocks collide with a's entries: the existing mapping stays, no new events.
     assert [bm.blocks[i].block_hash for i in other.block_table] == [None, None, None]
     assert sorted(bm.cached_block_hashes()) == [7, 8]
-    bm.check_consistency()
+    check_block_manager(bm)
     for s in (a, other):
         bm.free(s)
 
@@ -187,7 +188,7 @@ def test_duplicate_concurrent_blocks_stay_private(new_bm) -> None:
     assert bm.take_events() == [KvEvent("stored", hash_prompt_blocks(prompt, 4))]
     bm.free(a)
     bm.free(b)
-    bm.check_consistency()
+    check_block_manager(bm)
     c = make_seq(prompt)
     assert bm.get_num_cached_tokens(c) == 8
 
@@ -296,7 +297,7 @@ def test_decode_grows_block_table_at_boundaries(new_bm) -> None:
     compute(bm, s)
     sizes = []
     for t in range(10, 20):
-        s.append_token(t)
+        s.token_ids.append(t)
         compute(bm, s, 1)
         sizes.append(len(s.block_table))
     # after each step the table covers exactly ceil(computed / 4) blocks
@@ -357,7 +358,7 @@ def test_events_replay_equals_snapshot_under_random_churn(new_bm) -> None:
             s = rng.choice(live)  # decode one token (its last token is uncomputed)
             if bm.can_allocate(s, 1):
                 compute(bm, s, 1)
-                s.append_token(rng.randrange(50))
+                s.token_ids.append(rng.randrange(50))
         else:
             tokens = rng.choice(prefixes)[:rng.randint(0, 12)] + \
                 [rng.randrange(50) for _ in range(rng.randint(1, 10))]
@@ -366,7 +367,7 @@ def test_events_replay_equals_snapshot_under_random_churn(new_bm) -> None:
             if chunk >= 1 and bm.can_allocate(s, chunk):
                 compute(bm, s, chunk)  # prefill all but the last token, as after a sample
                 live.append(s)
-        bm.check_consistency()
+        check_block_manager(bm)
         replay(bm.take_events(), held)
         assert held == set(bm.cached_block_hashes())
         for s in live:  # every hashed block in use really holds the tokens it claims

@@ -204,9 +204,24 @@ def hf_toks(tok_dirs: dict[str, Path]) -> dict:
     return {kind: AutoTokenizer.from_pretrained(str(path)) for kind, path in tok_dirs.items()}
 
 
+def _vocab_size(tok: Tokenizer) -> int:
+    """len(AutoTokenizer): the model vocab plus added tokens (may be < the model's rows)."""
+    return tok._backend.get_vocab_size(with_added_tokens=True)
+
+
+def _special_id(tok: Tokenizer, name: str) -> int | None:
+    return tok.token_to_id(tok.special_tokens_map.get(name))
+
+
+def _all_special_ids(tok: Tokenizer) -> list[int]:
+    """transformers' all_special_ids: named special tokens, then the extra ones, once each."""
+    tokens = dict.fromkeys([*tok.special_tokens_map.values(), *tok.extra_special_tokens])
+    return [i for t in tokens if (i := tok.token_to_id(t)) is not None]
+
+
 def _random_ids(rng: random.Random, tok: Tokenizer, n: int) -> list[int]:
     """Ids of the whole vocabulary plus a few past it: a model's padded rows can be sampled."""
-    return [rng.randrange(tok.vocab_size + 4) for _ in range(n)]
+    return [rng.randrange(_vocab_size(tok) + 4) for _ in range(n)]
 
 
 # ---- Tokenizer vs transformers ----------------------------------------------------------------
@@ -215,14 +230,15 @@ def _random_ids(rng: random.Random, tok: Tokenizer, n: int) -> list[int]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_vocab_and_special_tokens_match_transformers(kind, toks, hf_toks):
     tok, hf = toks[kind], hf_toks[kind]
-    assert tok.vocab_size == len(hf)
-    assert tok.eos_token_id == hf.eos_token_id
-    assert tok.bos_token_id == hf.bos_token_id
-    assert tok.pad_token_id == hf.pad_token_id
-    assert tok.all_special_ids == hf.all_special_ids
-    ids = list(range(tok.vocab_size))
-    assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
-    assert tok.convert_ids_to_tokens(3) == hf.convert_ids_to_tokens(3)
+    assert _vocab_size(tok) == len(hf)
+    assert _special_id(tok, "eos_token") == hf.eos_token_id
+    assert _special_id(tok, "bos_token") == hf.bos_token_id
+    assert _special_id(tok, "pad_token") == hf.pad_token_id
+    assert _all_special_ids(tok) == hf.all_special_ids
+    ids = list(range(len(hf)))
+    assert [tok._backend.id_to_token(i) for i in ids] == hf.convert_ids_to_tokens(ids)
+    assert [tok.token_to_id(t) for t in hf.convert_ids_to_tokens(ids)] == ids
+    assert not tok.is_known_id(len(hf))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -246,15 +262,15 @@ def test_encode_decode_match_transformers(kind, toks, hf_toks):
 def test_eos_ids_and_added_tokens(toks, hf_toks):
     tok = toks["byte_level"]
     im_end = tok.token_to_id("<|im_end|>")
-    assert tok.eos_token_id == im_end
+    assert _special_id(tok, "eos_token") == im_end
     # "<tool_call>" is named only in tokenizer_config.json: it must exist, as one special token.
     tool = tok.token_to_id("<tool_call>")
-    assert tool is not None and tool in tok.all_special_ids
+    assert tool is not None and tool in _all_special_ids(tok)
     assert tok.encode("a<tool_call>b", add_special_tokens=False) == hf_toks["byte_level"].encode(
         "a<tool_call>b", add_special_tokens=False)
     assert tool in tok.encode("a<tool_call>b", add_special_tokens=False)
     tiny = toks["tiny_model"]
-    assert tiny.eos_token_id == tiny.token_to_id("<|im_end|>")
+    assert _special_id(tiny, "eos_token") == tiny.token_to_id("<|im_end|>")
 
 
 @pytest.mark.parametrize("kind", ["tiny_model", "byte_level"])
@@ -315,9 +331,9 @@ def test_from_files_rebuilds_the_same_tokenizer(kind, toks):
     assert "tokenizer.json" in tok.files and "tokenizer_config.json" in tok.files
     assert set(tok.files) <= set(TOKENIZER_FILES)
     copy = Tokenizer.from_files(dict(tok.files))
-    assert copy.vocab_size == tok.vocab_size
-    assert copy.eos_token_id == tok.eos_token_id
-    assert copy.all_special_ids == tok.all_special_ids
+    assert _vocab_size(copy) == _vocab_size(tok)
+    assert copy.special_tokens_map == tok.special_tokens_map
+    assert _all_special_ids(copy) == _all_special_ids(tok)
     for text in TEXTS:
         assert copy.encode(text) == tok.encode(text)
     if tok.chat_template is not None:
@@ -423,9 +439,9 @@ def test_cost_per_token_does_not_grow_with_length(garbage, toks):
     rng = random.Random(7)
     # Garbage: only tokens that alone decode to U+FFFD (lone continuation bytes, unfinished
     # characters), so the text keeps ending in U+FFFD for long stretches.
-    broken = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
+    broken = [i for i in range(_vocab_size(tok)) if tok.decode([i]) == "\ufffd"]
     assert len(broken) > 50
-    pool = broken if garbage else list(range(tok.vocab_size))
+    pool = broken if garbage else list(range(_vocab_size(tok)))
     ids = [rng.choice(pool) for _ in range(1500)]
     counting = _CountingTokenizer(tok)
     updates, tail, _ = _stream(counting, ids, [1, 2, 5])
@@ -438,7 +454,7 @@ def test_skipped_special_tokens_do_not_grow_the_window(toks):
     pad = tok.token_to_id("<|endoftext|>")
     half_char = tok.encode("你", add_special_tokens=False)[:1]
     assert tok.decode(half_char) == "\ufffd"
-    unknown = tok.vocab_size + 3  # decodes to nothing, like a skipped special token
+    unknown = _vocab_size(tok) + 3  # decodes to nothing, like a skipped special token
     ids = ([pad, unknown] * 25 + tok.encode(" ok", add_special_tokens=False)) * 10
     ids += half_char + [pad, unknown] * 100
     counting = _CountingTokenizer(tok)

@@ -35,7 +35,7 @@ from engine_service import LLM, SamplingParams
 from engine_service.common.block_hash import hash_prompt_blocks
 from engine_service.common.sampling_params import DLLM_CACHES, DiffusionParams
 from engine_service.diffusion.engine import DiffusionEngine
-from tests.helpers import random_prompts
+from tests.helpers import check_block_manager, random_prompts
 from tests.test_diffusion_engine import unmask_block
 from tests.test_diffusion_models import FAMILIES, Family, hf_model
 
@@ -188,7 +188,7 @@ def every_block_free_after():
         bm = engine.block_manager
         assert not engine.has_unfinished()
         assert bm.num_free_blocks == bm.num_blocks and bm.all_free()
-        bm.check_consistency()
+        check_block_manager(bm)
 
 
 def run(engine: DiffusionEngine, requests: list[tuple[list[int], DiffusionParams, int]],

@@ -1,5 +1,5 @@
 """The diffusion LLMs' model layer (LLaDA, Dream): tiny checkpoints in their published formats
-(models/tiny_model.py) load through nanoserve's loader, and one flat varlen batch, without a
+(tests/tiny_checkpoints.py) load through nanoserve's loader, and one flat varlen batch, without a
 KV cache and over the paged one, gives transformers' logits on the same weights renamed:
 LlamaForCausalLM (LLaDA; Qwen2ForCausalLM for a LLaDA with q/k/v biases) and
 Qwen2ForCausalLM (Dream), run with a full, non-causal 4-D attention mask. Also: the causal
@@ -27,8 +27,8 @@ from models.config import ModelConfig
 from models.kv_cache import allocate_kv_cache
 from models.layers.attention import Attention
 from models.registry import build_model, get_model_class
-from models.tiny_model import DIFFUSION_MASK_TOKEN_ID, make_tiny_dream, make_tiny_llada
 from tests.ranks import launch
+from tests.tiny_checkpoints import DIFFUSION_MASK_TOKEN_ID, make_tiny_dream, make_tiny_llada
 
 BLOCK_SIZE = 4
 SEQ_LENS = (7, 1, 13, 20)  # one flat batch: a single token, lengths across block edges

@@ -32,11 +32,11 @@ from engine_service import LLM, SamplingParams
 from engine_service.common.proto_convert import Refused, diffusion_params_to_proto
 from engine_service.common.sampling_params import DIFFUSION_ARCHITECTURES, DiffusionParams
 from engine_service.common.tokenizer import Tokenizer as ServingTokenizer
-from models.tiny_model import DIFFUSION_VOCAB_SIZE, make_tiny_dream, make_tiny_llada
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from router.server import continuation_request, rest_of_canvas
 from tests.procs import ServerProc, start_engine, start_router, wait_blocks_free
+from tests.tiny_checkpoints import DIFFUSION_VOCAB_SIZE, make_tiny_dream, make_tiny_llada
 
 pytestmark = pytest.mark.timeout(300)
 

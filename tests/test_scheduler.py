@@ -20,6 +20,7 @@ from engine_service.config import EngineConfig
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sequence import Sequence, SequenceStatus
 from models.attention_metadata import BlockTableCache, make_attention_metadata
+from tests.helpers import check_block_manager
 
 EOS = 2
 BS = 4
@@ -89,7 +90,7 @@ class Harness:
             self._device = {r.seq.seq_id: t for r, t in zip(out.scheduled, sampled, strict=True)
                             if t is not None}
         self.finished += done
-        self.bm.check_consistency()
+        check_block_manager(self.bm)
         return out, done
 
     def write_kv(self, out: SchedulerOutput) -> None:
@@ -141,7 +142,7 @@ def harnesses() -> Iterator[list[Harness]]:
     made: list[Harness] = []
     yield made
     for h in made:  # after every test every block is free again
-        h.bm.check_consistency()
+        check_block_manager(h.bm)
         assert h.bm.all_free(), "blocks still referenced at the end of the test"
 
 

@@ -149,9 +149,10 @@ def check_outputs(cases: list[dict], outs: list, eos_ids: list[int]) -> list[str
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     from models.tiny_model import make_tiny_model
+    from tests.tiny_checkpoints import json_tokenizer
 
     return make_tiny_model(tmp_path_factory.mktemp("so-model"), seed=0,
-                           tokenizer_vocab_size=VOCAB)
+                           tokenizer=json_tokenizer(VOCAB))
 
 
 @pytest.fixture(scope="module")

@@ -102,24 +102,24 @@ def test_deterministic(tmp_path):
     assert c["tokenizer.json"] == a["tokenizer.json"]
 
 
-def test_cli_writes_sharded_untied_model(tmp_path):
+def test_cli_writes_the_seeded_model(tmp_path):
     parser = argparse.ArgumentParser()
     tiny_model.add_arguments(parser)
-    out = tmp_path / "cli"
-    args = parser.parse_args([str(out), "--seed", "2", "--layers", "3", "--untied",
-                              "--num-shards", "2"])
-    assert tiny_model.main(args) == 0
-    config = json.loads((out / "config.json").read_text())
-    assert config["num_hidden_layers"] == 3 and config["tie_word_embeddings"] is False
-    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert tiny_model.main(parser.parse_args([str(tmp_path / "cli"), "--seed", "2"])) == 0
+    assert _digest(tmp_path / "cli") == _digest(make_tiny_model(tmp_path / "api", seed=2))
+
+
+def test_sharded_untied_model_loads_and_a_rewrite_leaves_no_stale_shard(tmp_path):
+    make_tiny_model(tmp_path, seed=2, tie_word_embeddings=False, num_shards=2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert "lm_head.weight" in index["weight_map"]
-    _, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
                                                    output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
-    # Re-running into the same directory with one shard leaves no stale shard files.
-    assert tiny_model.main(parser.parse_args([str(out)])) == 0
-    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
-    assert not (out / "model.safetensors.index.json").exists()
+    # Re-writing into the same directory with one shard leaves no stale shard files.
+    make_tiny_model(tmp_path, seed=2)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()

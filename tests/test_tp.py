@@ -209,7 +209,7 @@ def test_changed_sequences_are_resent_in_full(case):
     a = Sequence("a", list(range(1, 13)), sp)
     a.block_table = [0, 1, 2]
     encoder, mirror = _first_step(a, 12)
-    a.append_token(13)
+    a.token_ids.append(13)
     if case == "other_blocks":
         a.block_table = [5, 6, 7, 8]
     else:

@@ -73,9 +73,7 @@ class Message(_Open):
 
 
 class JsonSchemaFormat(_Open):
-    name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
 
 
 class ResponseFormat(_Open):

@@ -28,7 +28,7 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "chat_template.jinja",
     "generation_config.json",
 )
-# transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order (all_special_ids keeps that order).
+# transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order.
 NAMED_SPECIAL_TOKENS: tuple[str, ...] = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )
@@ -47,7 +47,6 @@ class Tokenizer:
         if "added_tokens_decoder" not in config:
             # Legacy checkpoints keep their special tokens here; transformers reads it only then.
             config.update(_load_json(self.files, "special_tokens_map.json"))
-        self.config = config
         self._backend = BackendTokenizer.from_str(self.files["tokenizer.json"].decode("utf-8"))
         if self._backend.padding is not None:  # transformers takes pad_token from here too
             config.setdefault("pad_token", self._backend.padding["pad_token"])
@@ -57,8 +56,8 @@ class Tokenizer:
         self.special_tokens_map = _named_special_tokens(config)
         self.extra_special_tokens = _extra_special_tokens(config)
         self._add_missing_tokens(config)
-        # What decode(skip_special_tokens=True) drops: added tokens flagged special. This can
-        # differ from all_special_ids, which lists only the tokens the config names.
+        # What decode(skip_special_tokens=True) drops: added tokens flagged special (not only
+        # the tokens the config names).
         self.skipped_special_ids: frozenset[int] = frozenset(
             i for i, t in self._backend.get_added_tokens_decoder().items() if t.special
         )
@@ -66,9 +65,6 @@ class Tokenizer:
         self.decoder_is_byte_level = isinstance(self._backend.decoder, decoders.ByteLevel)
         self.chat_template = _pick_chat_template(self.files, config)
         self._template: jinja2.Template | None = None  # compiled on first use
-        self.bos_token_id = self.token_to_id(self.special_tokens_map.get("bos_token"))
-        self.eos_token_id = self.token_to_id(self.special_tokens_map.get("eos_token"))
-        self.pad_token_id = self.token_to_id(self.special_tokens_map.get("pad_token"))
 
     @classmethod
     def from_files(cls, files: Mapping[str, bytes]) -> Tokenizer:
@@ -79,48 +75,12 @@ class Tokenizer:
         root = Path(path)
         return cls({n: (root / n).read_bytes() for n in TOKENIZER_FILES if (root / n).is_file()})
 
-    @property
-    def vocab_size(self) -> int:
-        """len(AutoTokenizer): the model vocab plus added tokens (may be < the model's rows)."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    @property
-    def bos_token(self) -> str | None:
-        return self.special_tokens_map.get("bos_token")
-
-    @property
-    def eos_token(self) -> str | None:
-        return self.special_tokens_map.get("eos_token")
-
-    @property
-    def all_special_tokens(self) -> list[str]:
-        """Named special tokens, then the extra ones, without repeats (as transformers)."""
-        return list(dict.fromkeys([*self.special_tokens_map.values(), *self.extra_special_tokens]))
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        ids = (self.token_to_id(t) for t in self.all_special_tokens)
-        return [i for i in ids if i is not None]
-
     def is_known_id(self, token_id: int) -> bool:
         """False for ids past the vocabulary (a model's padding rows): decode() drops them."""
         return self._backend.id_to_token(token_id) is not None
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
-
-    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
-        if isinstance(ids, int):
-            return self._backend.id_to_token(ids)
-        return [self._backend.id_to_token(i) for i in ids]
-
-    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
-        if isinstance(tokens, str):
-            return self.token_to_id(tokens)
-        return [self.token_to_id(t) for t in tokens]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode holds it): a long text
@@ -136,12 +96,10 @@ class Tokenizer:
         self,
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        documents: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Render the chat template, as transformers' apply_chat_template(tokenize=False);
-        extra keyword arguments reach the template (e.g. `enable_thinking=False`)."""
+        extra keyword arguments reach the template (e.g. `tools`, `enable_thinking=False`)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template; send text or token ids instead")
         if not messages:
@@ -150,11 +108,11 @@ class Tokenizer:
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         if self._template is None:
             self._template = _compile_chat_template(self.chat_template)
-        variables = {**self.special_tokens_map, **template_kwargs}
+        # tools and documents are None unless given, as transformers passes them.
+        variables = {"tools": None, "documents": None, **self.special_tokens_map,
+                     **template_kwargs}
         return self._template.render(
-            messages=chat, tools=tools, documents=documents,
-            add_generation_prompt=add_generation_prompt, **variables,
-        )
+            messages=chat, add_generation_prompt=add_generation_prompt, **variables)
 
     def encode_chat(
         self,

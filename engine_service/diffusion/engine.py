@@ -70,11 +70,11 @@ class DiffusionRequest:
 
 
 class DiffusionEngine(EngineServing):
-    def __init__(self, config: EngineConfig, runner=None):
+    def __init__(self, config: EngineConfig):
         from engine_service.model_runner import ModelRunner
 
         self.config = config
-        self.model_runner = runner or ModelRunner(config)
+        self.model_runner = ModelRunner(config)
         mc = self.model_runner.model_config
         if not mc.is_diffusion:
             raise ValueError(f"{mc.architecture} is not a diffusion model")

@@ -62,8 +62,3 @@ class Attention(nn.Module):
             out[num_dense:] = attend_kept_keys(query, self.kv_cache, sparsity,
                                                self.layer_idx, self.scale)
         return out
-
-    def extra_repr(self) -> str:
-        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, causal={self.causal}, "
-                f"backend={getattr(self.backend, 'name', '?')}")

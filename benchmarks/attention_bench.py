@@ -131,35 +131,6 @@ def sweep_splits(layout: Layout, block_size: int, dtype: torch.dtype) -> None:
 
 SPLITS = (1, 2, 4, 8, 16, 32)
 SPLIT_LENS = (0, 256, 512, 1024)
-TILES = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8)
-         for stages in (2, 3, 4)]
-
-
-def sweep_tiles(layout: Layout, block_size: int, dtype: torch.dtype,
-                stages: tuple[int, ...] = (2, 3, 4)) -> None:
-    """Decode attention KV bandwidth per (block_n, num_warps, num_stages) at the split count
-    choose_launch picks, over workload-like batches (contexts uniform 100..2048), to tune
-    its tile choice; prints the best tiles per batch and the chosen launch's figure."""
-    import random
-
-    rng = random.Random(0)
-    for batch in (8, 32, 64, 96, 128, 192, 256):
-        base, tb_per_s = _decode_case([(rng.randint(100, 2048) - 1, 1) for _ in range(batch)],
-                                      layout, block_size, dtype)
-        results = []
-        for block_n, warps, num_stages in TILES:
-            if num_stages not in stages:
-                continue
-            try:
-                launch = replace(base, block_n=block_n, num_warps=warps,
-                                 num_stages=num_stages)
-                results.append((tb_per_s(launch), f"n{block_n} w{warps} s{num_stages}"))
-            except Exception as exc:  # out of shared memory etc.: skip the tile
-                print(f"  b={batch} n{block_n} w{warps} s{num_stages}: {type(exc).__name__}")
-        best = sorted(results, reverse=True)
-        print(f"batch {batch:>4} (S={base.num_splits}): chosen n{base.block_n} "
-              f"w{base.num_warps} s{base.num_stages} {tb_per_s(base):.2f} TB/s; best "
-              + ", ".join(f"{name} {tb:.2f}" for tb, name in best))
 
 
 def main() -> None:
@@ -170,19 +141,9 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--sweep-splits", action="store_true",
                         help="decode KV bandwidth (TB/s) per split count instead")
-    parser.add_argument("--sweep-tiles", action="store_true",
-                        help="decode KV bandwidth (TB/s) per tile shape instead")
-    parser.add_argument("--stages", default="2,3,4",
-                        help="pipeline stage counts --sweep-tiles tries")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"GPU: {torch.cuda.get_device_name()}  dtype={args.dtype}")
-    if args.sweep_tiles:
-        for layout_name in args.layouts.split(","):
-            print(f"triton decode, {layout_name}, block size {args.block_size}: KV TB/s")
-            sweep_tiles(LAYOUTS[layout_name], args.block_size, dtype,
-                        tuple(int(s) for s in args.stages.split(",")))
-        return
     if args.sweep_splits:
         for layout_name in args.layouts.split(","):
             print(f"triton decode, {layout_name}, block size {args.block_size}: KV TB/s")

@@ -1,20 +1,6 @@
-"""Every GPU figure in one call: `python -m benchmarks.gpu_suite [--stages ...]`.
-
-Stages: tests (tests/gpu); offline (nano-vllm bench workload, Qwen3-0.6B shape, dummy bf16
-weights); single (one request, 512-token prompt, 512 new tokens, median of 3); serve (the
-workload as concurrent streams through a router to one engine, gRPC and OpenAI HTTP);
-profile (host and kernel profile of batch-256 and batch-1 decode steps); tp (--tp-models,
-Qwen3-8B shape by default, single request at --tp-sizes where GPUs allow; with
---tp-throughput also the workload);
-families (Llama-3.2-1B and Qwen3-30B-A3B shapes, single request and workload, and the MoE
-workload under the profiler); spec (speculative decoding: Qwen3-8B single request off, ngram,
-ngram never matching and a draft model; the workload with and without ngram); spec_batch
-(ngram against off at 8, 32 and 128 greedy requests, for speculative_disable_by_batch_size);
-diffusion (LLaDA-8B shape: the plain reference loop against the diffusion engine's variants at
-batch 1 and 32); fleet (one engine per GPU behind one router on the routing benchmark's
-multi-tenant workload, against one engine).
-Logs go to $OUT (or ./.out); figures are appended to .out/runs.md (NANOSERVE_RESULTS to
-redirect); a table is printed last.
+"""Every GPU figure in one call: `python -m benchmarks.gpu_suite [--stages ...]`, the stages
+being STAGES' keys (each function says what it runs). Logs go to $OUT (or ./.out), figures are
+appended to .out/runs.md (NANOSERVE_RESULTS to redirect); a table is printed last.
 """
 
 from __future__ import annotations
@@ -25,7 +11,10 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from benchmarks.procs import NANOSERVE, cpu_seconds, start_engines, start_routers
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", ROOT / ".out"))
@@ -53,7 +42,7 @@ def sh(name: str, cmd: list[str], timeout: float) -> str:
 
 
 def nanoserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "clients.cli", *args]
+    return [*NANOSERVE, *args]
 
 
 def _found(m: re.Match | None, unit: str, group: int = 1) -> str:
@@ -64,6 +53,26 @@ def _decode_rate(text: str) -> re.Match | None:
     """The median line of a --repeats run, else the one run's."""
     return (re.search(r"median of \d+ runs: decode ([\d.]+) tok/s", text)
             or re.search(r"decode ([\d.]+) tok/s", text))
+
+
+SINGLE = ("--single", "--max-input-len", "512", "--max-output-len", "512")
+
+
+def _offline(name: str, label: str, *flags: str, timeout: float = 540,
+             note: str | Callable[[str], str] = "") -> tuple[str, float | None]:
+    """`nanoserve bench offline FLAGS`, logged as `name`; appends the row `label`: its
+    throughput, or with --single its decode rate, and `note` (or note(output)). Returns the
+    output and the rate (None if it failed)."""
+    text = sh(name, nanoserve("bench", "offline", *flags), timeout)
+    m = (_decode_rate(text) if "--single" in flags
+         else re.search(r"Throughput: ([\d.]+) tok/s", text))
+    ROWS.append((label, _found(m, "tok/s"), note(text) if callable(note) else note))
+    return text, float(m.group(1)) if m else None
+
+
+def _acceptance(text: str) -> str:
+    acc = re.findall(r"acceptance ([\d.]+%)", text)
+    return f"acceptance {acc[-1]}" if acc else ""
 
 
 def stage_tests(args) -> None:
@@ -78,11 +87,8 @@ def stage_tests(args) -> None:
 
 
 def stage_offline(args) -> None:
-    text = sh("offline", nanoserve("bench", "offline", "--model", args.model,
-                                   *args.engine_args), timeout=540)
-    ROWS.append(("offline nano-vllm bench",
-                 _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"),
-                 "nano-vllm 20,400"))
+    text, _ = _offline("offline", "offline nano-vllm bench", "--model", args.model,
+                       *args.engine_args, note="nano-vllm 20,400")
     m = re.search(r"(\d+) steps; host busy ([\d.]+) s \(([\d.]+) ms/step\), waiting on the "
                   r"device ([\d.]+) s, device busy ([\d.]+) s", text)
     if m:
@@ -93,11 +99,8 @@ def stage_offline(args) -> None:
 
 def stage_single(args) -> None:
     # Host-bound at ~0.9 ms a step, so runs spread by several percent: the median of three.
-    text = sh("single", nanoserve("bench", "offline", "--model", args.model, "--single",
-                                  "--max-input-len", "512", "--max-output-len", "512",
-                                  "--repeats", "3", *args.engine_args), timeout=300)
-    ROWS.append(("single request decode (512+512)", _found(_decode_rate(text), "tok/s"),
-                 "nano-vllm ~475"))
+    _offline("single", "single request decode (512+512)", "--model", args.model, *SINGLE,
+             "--repeats", "3", *args.engine_args, timeout=300, note="nano-vllm ~475")
 
 
 def stage_serve(args) -> None:
@@ -109,24 +112,22 @@ def stage_serve(args) -> None:
 
 
 def _serve_once(args, name: str, http: bool) -> None:
-    from benchmarks.procs import ServerProc, cpu_seconds
     from clients import Client
 
     OUT.mkdir(parents=True, exist_ok=True)
-    engine = ServerProc("engine", ["engine", "--model", args.model_dir, "--port", "0",
-                                   "--load-format", "dummy", *args.engine_args])
-    router = None
+    procs = []  # engine, router
     try:
         try:
-            engine.wait_for("nanoserve engine ready", timeout=240)
-            router = ServerProc("router", ["router", "--engine", engine.target, "--port", "0",
-                                           "--http-port", "0"])
-            router.wait_for("router listening on", timeout=60)
+            procs += start_engines(args.model_dir, "--load-format", "dummy", *args.engine_args,
+                                   timeout=240)
+            procs += start_routers([procs[0].target], timeout=60)
+            engine, router = procs
             target = ([f"127.0.0.1:{router.http_address()[1]}", "--http"] if http
                       else [router.target])
             with Client(engine.target) as client:
                 vocab = str(client.model_info().vocab_size)
         except RuntimeError as e:
+            (OUT / f"{name}_start.log").write_text(str(e))
             ROWS.append((name, f"did not start: {str(e)[:200]}", ""))
             return
         cpu = cpu_seconds(router.proc.pid)
@@ -146,10 +147,9 @@ def _serve_once(args, name: str, http: bool) -> None:
                          f"{cpu / float(t.group(1)):.0%} / "
                          f"{float(t.group(2)) / float(t.group(1)):.0%}", ""))
     finally:
-        for proc in (router, engine):
-            if proc is not None:
-                proc.stop(timeout=60)
-                (OUT / f"{name}_{proc.name}.log").write_text(proc.output())
+        for proc in reversed(procs):
+            proc.stop(timeout=60)
+            (OUT / f"{name}_{proc.name}.log").write_text(proc.output())
 
 
 def stage_profile(args) -> None:
@@ -174,17 +174,10 @@ def stage_tp(args) -> None:
                 continue
             extra = ("--model", model, "--tensor-parallel-size", str(tp), "--max-model-len",
                      "4096")
-            text = sh(f"{model}_tp{tp}_single", nanoserve(
-                "bench", "offline", *extra, "--single", "--max-input-len", "512",
-                "--max-output-len", "512", "--repeats", "2"), timeout=420)
-            ROWS.append((f"{model} TP={tp} single decode", _found(_decode_rate(text), "tok/s"),
-                         ""))
+            _offline(f"{model}_tp{tp}_single", f"{model} TP={tp} single decode", *extra,
+                     *SINGLE, "--repeats", "2", timeout=420)
             if args.tp_throughput:
-                text = sh(f"{model}_tp{tp}_offline", nanoserve("bench", "offline", *extra),
-                          timeout=540)
-                ROWS.append((f"{model} TP={tp} nano-vllm bench",
-                             _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"),
-                             ""))
+                _offline(f"{model}_tp{tp}_offline", f"{model} TP={tp} nano-vllm bench", *extra)
 
 
 def stage_families(args) -> None:
@@ -192,13 +185,9 @@ def stage_families(args) -> None:
     workload once more under the profiler, for the fused MoE kernels' share of device time."""
     for model in ("llama-3.2-1b", "qwen3-30b-a3b"):
         extra = ("--model", model, "--max-model-len", "4096")
-        text = sh(f"{model}_single", nanoserve("bench", "offline", *extra, "--single",
-                                               "--max-input-len", "512", "--max-output-len",
-                                               "512", "--repeats", "3"), timeout=420)
-        ROWS.append((f"{model} single decode", _found(_decode_rate(text), "tok/s"), ""))
-        text = sh(f"{model}_offline", nanoserve("bench", "offline", *extra), timeout=540)
-        ROWS.append((f"{model} offline",
-                     _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"), ""))
+        _offline(f"{model}_single", f"{model} single decode", *extra, *SINGLE, "--repeats",
+                 "3", timeout=420)
+        _offline(f"{model}_offline", f"{model} offline", *extra)
     text = sh("moe_profile", nanoserve("bench", "offline", "--model", "qwen3-30b-a3b",
                                        "--max-model-len", "4096", "--profile"), timeout=540)
     ROWS.append(("qwen3-30b-a3b: fused MoE share of kernel time",
@@ -211,8 +200,8 @@ def stage_spec(args) -> None:
     ngram that never matches, a Qwen3-0.6B-shape draft; then the workload with and
     without ngram."""
     # Greedy: a random model's greedy output falls into loops, which prompt lookup predicts.
-    single = ("--model", "qwen3-8b", "--max-model-len", "4096", "--single", "--temperature",
-              "0", "--max-input-len", "512", "--max-output-len", "512", "--repeats", "3")
+    single = ("--model", "qwen3-8b", "--max-model-len", "4096", *SINGLE, "--temperature", "0",
+              "--repeats", "3")
     ngram = ("--speculative-method", "ngram", "--num-speculative-tokens", "4")
     runs = (("off", ()),
             ("ngram K=4", (*ngram, "--prompt-lookup-min", "2", "--prompt-lookup-max", "5")),
@@ -221,29 +210,28 @@ def stage_spec(args) -> None:
             ("draft qwen3-0.6b K=4", ("--speculative-method", "draft",
                                       "--num-speculative-tokens", "4",
                                       "--speculative-model", "qwen3-0.6b")))
-    decode_ms = None
-    for name, extra in runs:
-        text = sh(f"spec_{name.split()[0]}_{len(extra)}", nanoserve("bench", "offline", *single,
-                                                                  *extra), timeout=420)
+    decode_ms = None  # a decode step's device time, from the run without speculation
+
+    def note(text: str) -> str:
         acc = re.findall(r"acceptance ([\d.]+%), mean acceptance length ([\d.]+)", text)
         verify = re.findall(r"device per step: verify ([\d.]+) ms", text)
-        note = f"acceptance {acc[-1][0]}, mean length {acc[-1][1]}" if acc else ""
+        out = f"acceptance {acc[-1][0]}, mean length {acc[-1][1]}" if acc else ""
+        if verify and decode_ms:
+            out += (f"; verify step {verify[-1]} ms = {float(verify[-1]) / decode_ms:.2f}x "
+                    f"a decode step without speculation")
+        return out
+
+    for name, extra in runs:
+        text, _ = _offline(f"spec_{name.split()[0]}_{len(extra)}",
+                           f"Qwen3-8B single, speculation {name}", *single, *extra,
+                           timeout=420, note=note)
         if not extra:  # speculation off: every step but the prefill is a plain decode step
             device = re.findall(r"device ([\d.]+) ms \(\d+ steps\)", text)
             decode_ms = float(device[-1]) if device else None
-        if verify and decode_ms:
-            note += (f"; verify step {verify[-1]} ms = {float(verify[-1]) / decode_ms:.2f}x "
-                     f"a decode step without speculation")
-        ROWS.append((f"Qwen3-8B single, speculation {name}", _found(_decode_rate(text), "tok/s"),
-                     note))
     for name, extra in (("off", ()), ("ngram K=4", (*ngram, "--prompt-lookup-min", "2",
                                                       "--prompt-lookup-max", "5"))):
-        text = sh(f"spec_offline_{len(extra)}", nanoserve("bench", "offline", "--model",
-                                                          args.model, *extra), timeout=540)
-        acc = re.findall(r"acceptance ([\d.]+%)", text)
-        ROWS.append((f"offline nano-vllm bench, speculation {name}",
-                     _found(re.search(r"Throughput: ([\d.]+) tok/s", text), "tok/s"),
-                     f"acceptance {acc[-1]}" if acc else ""))
+        _offline(f"spec_offline_{len(extra)}", f"offline nano-vllm bench, speculation {name}",
+                 "--model", args.model, *extra, note=_acceptance)
 
 
 def stage_spec_batch(args) -> None:
@@ -254,16 +242,14 @@ def stage_spec_batch(args) -> None:
         for extra in ((), ("--speculative-method", "ngram", "--num-speculative-tokens", "4",
                            "--prompt-lookup-min", "2", "--prompt-lookup-max", "5",
                            "--speculative-disable-by-batch-size", "1024")):
-            text = sh(f"spec_batch_{bs}_{len(extra)}", nanoserve(
-                "bench", "offline", "--model", "qwen3-8b", "--max-model-len", "4096",
-                "--num-seqs", str(bs), "--temperature", "0", "--min-input-len", "256",
-                "--max-input-len", "256", "--min-output-len", "256", "--max-output-len", "256",
-                "--no-record", *extra), timeout=300)
-            m = re.search(r"Throughput: ([\d.]+) tok/s", text)
-            acc = re.findall(r"acceptance ([\d.]+%)", text)
-            rates.append(float(m.group(1)) if m else 0.0)
-            ROWS.append((f"Qwen3-8B {bs} requests, speculation {'ngram K=4' if extra else 'off'}",
-                         _found(m, "tok/s"), f"acceptance {acc[-1]}" if acc else ""))
+            _, rate = _offline(
+                f"spec_batch_{bs}_{len(extra)}",
+                f"Qwen3-8B {bs} requests, speculation {'ngram K=4' if extra else 'off'}",
+                "--model", "qwen3-8b", "--max-model-len", "4096", "--num-seqs", str(bs),
+                "--temperature", "0", "--min-input-len", "256", "--max-input-len", "256",
+                "--min-output-len", "256", "--max-output-len", "256", "--no-record", *extra,
+                timeout=300, note=_acceptance)
+            rates.append(rate or 0.0)
         if rates[0]:
             ROWS.append((f"Qwen3-8B {bs} requests, ngram / off", f"{rates[1] / rates[0]:.2f}x", ""))
 

@@ -18,7 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NANOSERVE = [sys.executable, "-m", "clients.cli"]  # the `nanoserve` command of this checkout
+ENGINE_READY = "nanoserve engine ready"
+ROUTER_READY = "router listening on"
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
+_ENGINE_SERVING = re.compile(r"engine (\S+) \(.*\) is serving")
 
 
 class ServerProc:
@@ -35,7 +39,7 @@ class ServerProc:
         self.port = 0
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+            [*NANOSERVE, *args], cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         threading.Thread(target=self._pump, daemon=True).start()
@@ -48,6 +52,7 @@ class ServerProc:
         """The same command again, on this one's port (argparse keeps the last --port)."""
         return ServerProc(self.name, [*self.args, "--port", str(self.port)], self.env,
                           self.lines.maxlen)
+
     def output(self) -> str:
         return "".join(list(self.lines))
 
@@ -96,6 +101,60 @@ class ServerProc:
                 self.proc.kill()
                 self.proc.wait(5)
         return self.proc.returncode
+
+
+def start_servers(args: list[str], ready: Callable[[list[str]], bool], what: str,
+                  timeout: float, n: int = 1,
+                  env: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
+                  max_lines: int | None = None,
+                  stack: contextlib.ExitStack | None = None) -> list[ServerProc]:
+    """`n` copies of `nanoserve ARGS...` started together (copy i with `env`, or env(i) when
+    it is a function), returned once ready(lines) holds for each (and stopped when `stack`
+    closes); if one never gets there, every copy is stopped and it raises."""
+    procs = [ServerProc(f"{args[0]} {i}" if n > 1 else args[0], args,
+                        env(i) if callable(env) else env, max_lines) for i in range(n)]
+    try:
+        for p in procs:
+            p.wait_until(ready, what, timeout)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    if stack is not None:
+        for p in procs:
+            stack.callback(p.stop)
+    return procs
+
+
+def threads_each(n: int) -> dict[str, str]:
+    """The env of one of `n` engines sharing the host's cores: a torch thread pool of its
+    share each keeps them from fighting ($OMP_NUM_THREADS, if set, wins)."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+            or str(max(1, (os.cpu_count() or 1) // n))}
+
+
+def start_engines(model: str, *flags: str, n: int = 1, timeout: float = 120,
+                  **kw) -> list[ServerProc]:
+    """`n` engines on `model`, each on a free port (later flags win: argparse keeps the last)."""
+    return start_servers(["engine", "--model", str(model), "--port", "0", *flags],
+                         lambda lines: any(ENGINE_READY in x for x in lines), repr(ENGINE_READY),
+                         timeout, n, **kw)
+
+
+def start_routers(engines: list[str], *flags: str, n: int = 1, timeout: float = 120,
+                  serving: bool = False, **kw) -> list[ServerProc]:
+    """`n` routers over `engines` on free ports (HTTP front too, unless `flags` say otherwise),
+    returned once each listens; with `serving`, once every engine serves in each one's pool
+    (else the engines join as their health checks pass)."""
+    def ready(lines: list[str]) -> bool:
+        joined = {m.group(1) for x in lines if (m := _ENGINE_SERVING.search(x))}
+        return any(ROUTER_READY in x for x in lines) and (not serving
+                                                           or len(joined) >= len(engines))
+
+    args = ["router", *(a for e in engines for a in ("--engine", e)), "--port", "0",
+            "--http-port", "0", *flags]
+    what = f"all {len(engines)} engines serving" if serving else repr(ROUTER_READY)
+    return start_servers(args, ready, what, timeout, n, **kw)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -1,40 +1,11 @@
-"""`nanoserve bench routing`: one multi-tenant chat workload replayed under each routing
-policy; prefix-cache hit rate, TTFT p50/p90/p99, output tok/s and requests per engine.
-
-Workload: `--tenants` tenants, each with its own system prompt of `--system-prompt-len`
-token ids, and `--conversations-per-tenant` conversations of `--turns` turns. A turn's
-prompt is the system prompt, every earlier user message and reply, and a new user message,
-all token ids (no tokenizer needed); greedy, `ignore_eos`, `--max-tokens` new tokens.
-Conversations start as a Poisson process (`--rate` per second, seeded) in a shuffled tenant
-order; a conversation's next turn is sent when its previous turn has finished and its user
-has thought for a while (exponential, mean `--think-time`, drawn with the workload). Think
-time is what keeps many conversations of many tenants open at once, as in a real chat
-service; without it only one or two conversations are ever active, every engine's LRU holds
-them, and no routing policy can do much better than another.
-
-Routes (`--policies`): each of the router's policies, through `--router-replicas` N
-`nanoserve router` processes over the same engines (one run per count); turn j of
-conversation i goes through replica (i + j) % N, so a conversation's turns cross replicas
-and its prefix stays hot only if the replicas agree on where it lives. `oracle` sends each
-turn straight to the engine whose true cache holds the longest prefix of it
-(benchmarks/routing_oracle.py): the reference for a cache-aware router's hit rate. `sglang` runs
-the turns through SGLang's model gateway (benchmarks/sglang_gateway.py) over OpenAI HTTP;
-when it cannot be started its row says why. The gateway takes prompts as text only, so it
-is a text route, as is POLICY@http (the router's policy, turns through its OpenAI front:
-the like-for-like row). With a text route in the run, every route's workload is drawn from
-the token ids whose text reads back as the same ids (`text_safe_tokens`), so all routes send
-the engines the same prompts; only replies, re-read from their text, may differ.
-
-Fairness: every run gets the same schedule and the same prompts against cold engines.
-With `--model` the benchmark starts `--num-engines` engine processes (OpenAI HTTP front on,
-for the gateway and their /metrics) and restarts them between runs (simplest way to empty
-their prefix caches: no RPC flushes a cache). With `--engine` (engines already running)
-caches cannot be emptied, so each run's token ids are shifted by the run's index modulo the
-vocabulary: the same shape of workload, prompts no earlier run has sent. Requests per engine
-are the engines' own counts (vLLM's request counter on their /metrics), so every route is
-counted the same way; with `--engine` (no HTTP front known) they come from the engine ids
-the gRPC chunks carry.
-
+"""`nanoserve bench routing`: one multi-tenant chat workload replayed under each route, on
+fresh engines each run (restarting them is the simplest way to empty their prefix caches):
+prefix-cache hit rate, TTFT p50/p90/p99, output tok/s and requests per engine (the engines'
+own /metrics counts). Think time keeps many tenants' conversations open at once, as in a real
+chat service. Routes: the router's policies (through N replicas; POLICY@http: as text through
+its OpenAI front), `oracle` (benchmarks/routing_oracle.py) and `sglang`
+(benchmarks/sglang_gateway.py, text only). With a text route in the run, every route's
+workload is drawn from `text_safe_tokens`, so all routes send the engines the same prompts.
 Torch-free: it only starts processes and talks gRPC and HTTP.
 """
 
@@ -42,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import os
 import random
-import re
 import signal
 import sys
 import time
@@ -56,7 +25,7 @@ from types import ModuleType
 
 from tqdm.auto import tqdm
 
-from benchmarks.procs import ServerProc
+from benchmarks.procs import ServerProc, start_engines, start_routers, threads_each
 from benchmarks.results import percentile, record
 from benchmarks.routing_oracle import Oracle
 from benchmarks.routing_senders import (
@@ -77,7 +46,6 @@ HTTP = "@http"  # "prefix@http": the router's policy, turns as text through its 
 def is_text_route(route: str) -> bool:
     """Routes whose turns go as text over OpenAI HTTP (SGLang's gateway takes no token ids)."""
     return route == "sglang" or route.endswith(HTTP)
-_ENGINE_SERVING = re.compile(r"engine (\S+) \(.*\) is serving")
 
 
 # ---- workload ---------------------------------------------------------------------------
@@ -89,24 +57,12 @@ class Conversation:
     user_messages: list[list[int]]  # one per turn
     think_times: list[float]        # pause before turn i + 1, after turn i has finished
 
-    def __post_init__(self) -> None:
-        if len(self.think_times) != len(self.user_messages) - 1:
-            raise ValueError(f"{len(self.user_messages)} turns need "
-                             f"{len(self.user_messages) - 1} think times, "
-                             f"got {len(self.think_times)}")
-
 
 @dataclass
 class Workload:
     system_prompts: list[list[int]]  # one per tenant
     conversations: list[Conversation]
     max_tokens: int
-
-    def __post_init__(self) -> None:
-        if not self.system_prompts or not self.conversations:
-            raise ValueError("a workload needs at least one tenant and one conversation")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
     @property
     def num_requests(self) -> int:
@@ -117,14 +73,6 @@ class Workload:
         return max(len(self.system_prompts[c.tenant])
                    + sum(len(m) + self.max_tokens for m in c.user_messages)
                    for c in self.conversations)
-
-    def shifted(self, shift: int, vocab: int) -> Workload:
-        """The same workload with every token id moved by `shift` modulo `vocab`."""
-        move = lambda ids: [(t + shift) % vocab for t in ids]
-        return Workload([move(p) for p in self.system_prompts],
-                        [Conversation(c.tenant, c.start, [move(m) for m in c.user_messages],
-                                      c.think_times) for c in self.conversations],
-                        self.max_tokens)
 
 
 def make_workload(tenants: int, conversations_per_tenant: int, turns: int,
@@ -137,7 +85,7 @@ def make_workload(tenants: int, conversations_per_tenant: int, turns: int,
     for name, value in (("tenants", tenants), ("conversations_per_tenant",
                         conversations_per_tenant), ("turns", turns),
                         ("system_prompt_len", system_prompt_len),
-                        ("user_message_len", user_message_len)):
+                        ("user_message_len", user_message_len), ("max_tokens", max_tokens)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not tokens:
@@ -167,8 +115,7 @@ class PolicyResult:
     turns: list[Reply] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    engine_order: list[str] = field(default_factory=list)  # engine ids in launch order
-    engine_requests: list[int] | None = None  # each engine's own count, launch order
+    engine_requests: list[int] = field(default_factory=list)  # each engine's own count
     unavailable: str | None = None  # why this route could not run
 
     @property
@@ -183,18 +130,6 @@ class PolicyResult:
     @property
     def throughput(self) -> float:
         return sum(t.completion_tokens for t in self.turns) / self.seconds if self.seconds else 0.0
-
-    def per_engine_from_chunks(self) -> list[int]:
-        """Requests per engine by the engine id on the chunks: launch order first, then any
-        other id seen ("" when the transport carries none)."""
-        counts = collections.Counter(t.engine_id for t in self.turns)
-        keys = list(self.engine_order) + sorted(set(counts) - set(self.engine_order))
-        return [counts.get(k, 0) for k in keys]
-
-    def per_engine(self) -> list[int]:
-        if self.engine_requests is not None:
-            return self.engine_requests
-        return self.per_engine_from_chunks()
 
 
 async def _conversation(senders: Sequence[Send], workload: Workload, number: int,
@@ -249,13 +184,13 @@ async def run_route(route: Route, workload: Workload, timeout: float,
             oracle = Oracle(route.targets, workload.max_tokens, timeout)
             senders = [(await stack.enter_async_context(oracle)).send]
         elif is_text_route(route.policy):
-            import httpx
+            import aiohttp
 
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-            clients = [await stack.enter_async_context(httpx.AsyncClient(
-                base_url=t, timeout=timeout, limits=limits)) for t in route.targets]
+            sessions = [await stack.enter_async_context(aiohttp.ClientSession(
+                t, connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=timeout))) for t in route.targets]
             senders = [http_sender(c, route.model, workload.max_tokens, route.decode)
-                       for c in clients]
+                       for c in sessions]
         else:
             clients = [await stack.enter_async_context(AsyncClient(t)) for t in route.targets]
             senders = [grpc_sender(c, workload.max_tokens, timeout) for c in clients]
@@ -270,70 +205,36 @@ class RouteUnavailable(RuntimeError):
     """A route that cannot run here; its row says why."""
 
 
-def engine_args(args: argparse.Namespace) -> list[str]:
-    out = ["engine", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
-           "--http-port", "0", "--device", args.device]
-    for flag in ("dtype", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs",
-                 "kv_block_size", "max_model_len"):
-        value = getattr(args, flag)
-        if value is not None:
-            out += ["--" + flag.replace("_", "-"), str(value)]
-    return out + list(args.engine_arg)
+def _flags(args: argparse.Namespace, *names: str) -> list[str]:
+    """`--name value` for each of `names` that `args` sets."""
+    return [x for name in names if (value := getattr(args, name)) is not None
+            for x in ("--" + name.replace("_", "-"), str(value))]
 
 
-def start_engines(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[ServerProc]:
-    """`--num-engines` engines, started together, each waited for."""
-    # Engines share the host's cores; one torch thread pool each keeps them from fighting.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1)
-                                                           // args.num_engines))
-    procs = []
-    for i in range(args.num_engines):
-        env = {"OMP_NUM_THREADS": threads}
-        if args.engine_devices:
-            devices = args.engine_devices.split(",")
-            env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
-        p = ServerProc(f"engine {i}", engine_args(args), env, max_lines=400)
-        stack.callback(p.stop)
-        procs.append(p)
-    for p in procs:
-        p.wait_until(lambda lines: any("nanoserve engine ready" in x for x in lines),
-                     "ready", args.start_timeout)
-    return procs
+def start_fleet(args: argparse.Namespace, policy: str, routers: int,
+                stack: contextlib.ExitStack) -> tuple[list[ServerProc], list[ServerProc]]:
+    """`--num-engines` fresh engines (OpenAI HTTP front on, for the gateway and /metrics) and,
+    for a router policy, `routers` routers over them, each router once every engine serves in
+    its pool; all stopped when `stack` closes."""
+    flags = _flags(args, "dtype", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs",
+                   "kv_block_size", "max_model_len")
+    devices = args.engine_devices.split(",") if args.engine_devices else []
+    env = lambda i: threads_each(args.num_engines) | (
+        {"CUDA_VISIBLE_DEVICES": devices[i % len(devices)]} if devices else {})
+    engines = start_engines(args.model, "--http-port", "0", "--device", args.device, *flags,
+                            *args.engine_arg, n=args.num_engines, timeout=args.start_timeout,
+                            env=env, max_lines=400, stack=stack)
+    if policy in ROUTES:
+        return engines, []
+    flags = _flags(args, "cache_weight", "load_guard_ratio", "load_guard_min")
+    return engines, start_routers([p.target for p in engines], "--policy",
+                                  policy.removesuffix(HTTP), *flags, *args.router_arg, n=routers,
+                                  timeout=args.start_timeout, serving=True, max_lines=400,
+                                  stack=stack)
 
 
-def start_routers(args: argparse.Namespace, engines: list[str], policy: str, count: int,
-                  stack: contextlib.ExitStack) -> list[ServerProc]:
-    """`count` routers for `policy` over the same engines, started together; returned once
-    every engine is serving in each one's pool."""
-    cmd = ["router", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--policy", policy]
-    for e in engines:
-        cmd += ["--engine", e]
-    for flag in ("cache_weight", "load_guard_ratio", "load_guard_min"):
-        value = getattr(args, flag)
-        if value is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(value)]
-    procs = []
-    for i in range(count):
-        p = ServerProc(f"router {i} ({policy})", cmd + list(args.router_arg), max_lines=400)
-        stack.callback(p.stop)
-        procs.append(p)
-    for p in procs:
-        p.wait_until(lambda lines: any("router listening on" in x for x in lines)
-                     and len({m.group(1) for x in lines if (m := _ENGINE_SERVING.search(x))})
-                     >= len(engines), f"all {len(engines)} engines serving", args.start_timeout)
-    return procs
-
-
-def start_router(args: argparse.Namespace, engines: list[str], policy: str,
-                 stack: contextlib.ExitStack) -> ServerProc:
-    """One router for `policy` (benchmarks/soak.py's)."""
-    return start_routers(args, engines, policy, 1, stack)[0]
-
-
-def sglang_gateway(args: argparse.Namespace) -> ModuleType:
+def sglang_gateway() -> ModuleType:
     """benchmarks.sglang_gateway, checked before any engine starts for it."""
-    if not args.model:
-        raise RouteUnavailable("needs --model (engines started here, with their HTTP front)")
     try:
         from benchmarks import sglang_gateway as gateway
     except ImportError as e:
@@ -357,8 +258,8 @@ def _http_url(proc: ServerProc) -> str:
 
 def _tokenizer_json(args: argparse.Namespace) -> str:
     """The model directory's tokenizer, which text routes need to write prompts as text."""
-    path = os.path.join(args.model or "", "tokenizer.json")
-    if not args.model or not os.path.isfile(path):
+    path = os.path.join(args.model, "tokenizer.json")
+    if not os.path.isfile(path):
         raise RouteUnavailable("text routes need --model DIR with a tokenizer.json")
     return path
 
@@ -415,7 +316,7 @@ def table(results: list[PolicyResult]) -> str:
             cells += [_ratio(r.hit_rate, single.get(r.policy))
                       if r.routers not in ("1", "-") else "-"] * replicas
             cells += [f"{r.ttft(q) * 1e3:.1f}" for q in (50, 90, 99)]
-            cells += [f"{r.throughput:.1f}", " / ".join(map(str, r.per_engine())),
+            cells += [f"{r.throughput:.1f}", " / ".join(map(str, r.engine_requests)),
                       str(len(r.errors))]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -449,12 +350,9 @@ def comparison(results: list[PolicyResult]) -> str | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    where = parser.add_argument_group("engines (give --model or --engine)")
-    where.add_argument("--model", default=None, metavar="DIR",
+    where = parser.add_argument_group("engines")
+    where.add_argument("--model", required=True, metavar="DIR",
                        help="start --num-engines engines on this model, fresh for each run")
-    where.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
-                       help="an engine already running; repeat for more (caches stay warm: "
-                            "token ids are shifted per run)")
     where.add_argument("--num-engines", type=int, default=3)
     where.add_argument("--device", default="cpu", help="engines' --device")
     where.add_argument("--dtype", default=None, help="engines' --dtype")
@@ -517,52 +415,43 @@ def _show_warnings(label: str, procs: list[ServerProc], limit: int = 10) -> None
         print(f"[{label}] ... {len(found) - limit} more warnings", file=sys.stderr)
 
 
-def _one_run(args: argparse.Namespace, policy: str, routers: int, index: int,
-             base: Workload | None, text: bool) -> tuple[PolicyResult, Workload | None]:
-    """One route on fresh engines (or the running ones, token ids shifted by `index`); a
-    route that cannot run here comes back as a row saying why."""
+def _one_run(args: argparse.Namespace, policy: str, routers: int, base: Workload | None,
+             text: bool) -> tuple[PolicyResult, Workload | None]:
+    """One route on fresh engines; a route that cannot run here comes back as a row saying
+    why."""
     label = policy if policy in ROUTES else f"{policy} x{routers}"
     try:
-        gateway = sglang_gateway(args) if policy == "sglang" else None
-        return _run_on_engines(args, policy, routers, index, base, label, gateway, text)
+        gateway = sglang_gateway() if policy == "sglang" else None
+        return _run_on_engines(args, policy, routers, base, label, gateway, text)
     except RouteUnavailable as e:
         print(f"[{label}] unavailable: {e}", file=sys.stderr)
         return PolicyResult(policy, "1", unavailable=str(e)), base
 
 
-def _run_on_engines(args: argparse.Namespace, policy: str, routers: int, index: int,
+def _run_on_engines(args: argparse.Namespace, policy: str, routers: int,
                     base: Workload | None, label: str, gateway: ModuleType | None,
                     text: bool) -> tuple[PolicyResult, Workload]:
     with contextlib.ExitStack() as stack:
-        procs: list[ServerProc] = []
-        http_urls: list[str] = []
-        if args.model:
-            print(f"[{label}] starting {args.num_engines} fresh engines", flush=True)
-            procs = start_engines(args, stack)
-            engines = [p.target for p in procs]
-            http_urls = [_http_url(p) for p in procs]
-        else:
-            engines = list(args.engine)
+        print(f"[{label}] starting {args.num_engines} fresh engines", flush=True)
+        procs, route_procs = start_fleet(args, policy, routers, stack)
+        engines = [p.target for p in procs]
+        http_urls = [_http_url(p) for p in procs]
         info = model_info(engines[0])
-        vocab = min(info.vocab_size, 10000)
-        base = base or _workload(args, info.vocab_size, text)
-        if base.longest_sequence() > info.max_model_len:
-            raise SystemExit(f"error: the longest conversation needs {base.longest_sequence()} "
-                             f"tokens, the engines allow {info.max_model_len}")
-        workload = base if args.model else base.shifted(index, vocab)
-        route_procs: list[ServerProc] = []
+        workload = base or _workload(args, info.vocab_size, text)
+        if workload.longest_sequence() > info.max_model_len:
+            raise SystemExit(f"error: the longest conversation needs "
+                             f"{workload.longest_sequence()} tokens, the engines allow "
+                             f"{info.max_model_len}")
         if policy == "oracle":
             route = Route(policy, engines)
         elif policy == "sglang":
             gateway_url = start_sglang(gateway, http_urls, stack, args.start_timeout)
             route = Route(policy, [gateway_url], served_model(http_urls[0]))
+        elif is_text_route(policy):
+            urls = [_http_url(p) for p in route_procs]
+            route = Route(policy, urls, served_model(urls[0]))
         else:
-            route_procs = start_routers(args, engines, policy.removesuffix(HTTP), routers,
-                                        stack)
             route = Route(policy, [p.target for p in route_procs])
-            if is_text_route(policy):
-                route.targets = [_http_url(p) for p in route_procs]
-                route.model = served_model(route.targets[0])
         if is_text_route(policy):
             from tokenizers import Tokenizer
 
@@ -574,20 +463,9 @@ def _run_on_engines(args: argparse.Namespace, policy: str, routers: int, index: 
             # a finding about the gateway, not a failed run.
             raise RouteUnavailable(f"the gateway failed every turn: {result.errors[0]}")
         result.routers = "-" if policy == "oracle" else str(routers)
-        result.engine_order = engines
-        if http_urls:
-            result.engine_requests = counts_since(http_urls, before, len(result.turns))
-            _check_counts(label, result)
+        result.engine_requests = counts_since(http_urls, before, len(result.turns))
         _show_warnings(label, [*route_procs, *procs])
-    return result, base
-
-
-def _check_counts(label: str, result: PolicyResult) -> None:
-    """The engines' counts against the engine ids the chunks carried, where they carry any."""
-    from_chunks = result.per_engine_from_chunks()
-    if len(from_chunks) == len(result.engine_order) and from_chunks != result.engine_requests:
-        print(f"[{label}] engines counted {result.engine_requests} requests, the chunks' "
-              f"engine ids say {from_chunks}", file=sys.stderr)
+    return result, workload
 
 
 def _parse_replicas(text: str) -> list[int]:
@@ -598,10 +476,6 @@ def _parse_replicas(text: str) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if bool(args.model) == bool(args.engine):
-        print("error: give either --model DIR or --engine HOST:PORT (repeatable)",
-              file=sys.stderr)
-        return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     known = (*POLICIES, *(p + HTTP for p in POLICIES), *ROUTES)
     unknown = sorted(set(policies) - set(known))
@@ -615,7 +489,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: --router-replicas takes counts >= 1 separated by commas, got "
               f"{args.router_replicas!r}", file=sys.stderr)
         return 2
-    if args.model and args.num_engines < 1:
+    if args.num_engines < 1:
         print("error: --num-engines must be >= 1", file=sys.stderr)
         return 2
     # SIGTERM unwinds like Ctrl-C, so the engines and routers this run started are stopped.
@@ -630,20 +504,19 @@ def main(args: argparse.Namespace) -> int:
         except RouteUnavailable as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    for i, (policy, routers) in enumerate(runs):
-        result, base = _one_run(args, policy, routers, i, base, as_text)
+    for policy, routers in runs:
+        result, base = _one_run(args, policy, routers, base, as_text)
         results.append(result)
         for e in result.errors[:3]:
             print(f"[{policy}] request failed: {e}", file=sys.stderr)
-    num_engines = args.num_engines if args.model else len(args.engine)
     requests = args.tenants * args.conversations_per_tenant * args.turns
     summary = (f"{args.tenants} tenants x {args.conversations_per_tenant} conversations x "
                f"{args.turns} turns = {requests} requests per run; system prompt "
                f"{args.system_prompt_len} tokens, user messages {args.user_message_len}, "
                f"replies {args.max_tokens} (greedy); {args.rate} conversations/s (Poisson, "
-               f"seed {args.seed}), think time {args.think_time} s; {num_engines} engines; "
-               f"router replicas {args.router_replicas} (turn j of conversation i through "
-               f"replica (i + j) mod N)")
+               f"seed {args.seed}), think time {args.think_time} s; {args.num_engines} fresh "
+               f"engines per run; router replicas {args.router_replicas} (turn j of "
+               f"conversation i through replica (i + j) mod N)")
     if any(r.policy == "sglang" and not r.unavailable for r in results):
         from benchmarks.sglang_gateway import gateway_version
 
@@ -657,9 +530,7 @@ def main(args: argparse.Namespace) -> int:
     if versus:
         print(f"\n{versus}")
     if not args.no_record:
-        figures = {"workload": summary,
-                   "engines": ("fresh engines per run" if args.model else
-                               "engines kept running; token ids shifted per run")}
+        figures = {"workload": summary}
         if versus:
             figures["comparison"] = versus
         figures["table"] = "\n\n" + text

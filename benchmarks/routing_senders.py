@@ -5,16 +5,18 @@ text. Every sender asks for the same thing: greedy, `ignore_eos`, `max_tokens` n
 Also the engines' own request counts, read from their Prometheus /metrics, and the token
 ids whose text reads back as the same ids (for workloads sent as text).
 
-Torch-free; httpx is imported only by the HTTP sender and the /metrics reader.
+Torch-free; aiohttp carries the HTTP streams (`sse_events`, which bench serve reads too).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
-from collections.abc import Awaitable, Callable
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+
+import orjson
 
 # vLLM's finished-request counter (engine_service/metrics.py), one series per finish reason;
 # an engine counts every request it ends, whoever routed it there.
@@ -54,11 +56,23 @@ def grpc_sender(client, max_tokens: int, timeout: float) -> Send:
     return send
 
 
-def http_sender(client, model: str, max_tokens: int,
+async def sse_events(response) -> AsyncIterator[list[dict]]:
+    """The JSON data of an aiohttp response's server-sent events, one list per read that
+    completes any (events without data, such as comments, and `[DONE]` are left out)."""
+    rest = b""
+    async for data in response.content.iter_any():
+        *events, rest = (rest + data).split(b"\n\n")
+        found = [orjson.loads(payload) for event in events
+                 if (payload := event.partition(b"data:")[2].strip()) not in (b"", b"[DONE]")]
+        if found:
+            yield found
+
+
+def http_sender(session, model: str, max_tokens: int,
                 decode: Callable[[list[int]], str] | None = None) -> Send:
-    """Turns as streaming POST /v1/completions through `client` (an httpx.AsyncClient with
-    the server's base_url): the prompt as token ids, or as `decode(ids)` (for servers that
-    take text only). The reply's token ids come from vLLM's `return_token_ids`: the next
+    """Turns as streaming POST /v1/completions through `session` (an aiohttp.ClientSession
+    with the server's base URL): the prompt as token ids, or as `decode(ids)` (for servers
+    that take text only). The reply's token ids come from vLLM's `return_token_ids`: the next
     turn's prompt is built from them, as the gRPC route builds it."""
 
     async def send(prompt: list[int]) -> Reply:
@@ -67,25 +81,20 @@ def http_sender(client, model: str, max_tokens: int,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True}
         start, ttft, reply, usage = time.perf_counter(), None, [], None
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {response.status_code}: {text[:300]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                for choice in event.get("choices") or []:
-                    ids = choice.get("token_ids") or []
-                    if ttft is None and (ids or choice.get("text")):
-                        ttft = time.perf_counter() - start
-                    reply += ids
-                usage = event.get("usage") or usage
+        async with session.post("/v1/completions", json=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {response.status}: {text[:300]}")
+            async for events in sse_events(response):
+                for event in events:
+                    if "error" in event:
+                        raise RuntimeError(f"stream error: {event['error']}")
+                    for choice in event.get("choices") or []:
+                        ids = choice.get("token_ids") or []
+                        if ttft is None and (ids or choice.get("text")):
+                            ttft = time.perf_counter() - start
+                        reply += ids
+                    usage = event.get("usage") or usage
         if ttft is None or usage is None:
             raise RuntimeError(f"a stream ended without {'tokens' if ttft is None else 'usage'}")
         if len(reply) != usage["completion_tokens"]:
@@ -98,20 +107,21 @@ def http_sender(client, model: str, max_tokens: int,
     return send
 
 
+def _get(url: str, timeout: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # raises on HTTP errors
+        return response.read()
+
+
 def served_model(base_url: str, timeout: float = 30) -> str:
     """The model name an OpenAI front ("http://HOST:PORT") serves (GET /v1/models)."""
-    import httpx
-
-    models = httpx.get(f"{base_url}/v1/models", timeout=timeout).raise_for_status()
-    return models.json()["data"][0]["id"]
+    return orjson.loads(_get(f"{base_url}/v1/models", timeout))["data"][0]["id"]
 
 
 def requests_served(base_url: str, timeout: float = 30) -> int:
     """Requests the engine whose HTTP front is `base_url` has finished, from its /metrics."""
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=timeout).raise_for_status().text
+    text = _get(f"{base_url}/metrics", timeout).decode()
     return int(sum(s.value for family in text_string_to_metric_families(text)
                    for s in family.samples if s.name == REQUEST_COUNTER))
 

@@ -10,10 +10,10 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 
-import orjson
 from tqdm.auto import tqdm
 
 from benchmarks.results import percentile, record
+from benchmarks.routing_senders import sse_events
 from benchmarks.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 
@@ -47,14 +47,10 @@ async def _http_stream(session, req: BenchRequest, seed: int, temperature: float
             "stream_options": {"include_usage": True}}
     async with session.post("/v1/completions", json=body) as response:
         response.raise_for_status()
-        counted, rest = 0, b""
-        async for data in response.content.iter_any():
-            *events, rest = (rest + data).split(b"\n\n")
+        counted = 0
+        async for events in sse_events(response):
             tokens = 0
-            for event in events:
-                if event == b"data: [DONE]":
-                    continue
-                payload = orjson.loads(event.removeprefix(b"data: "))
+            for payload in events:
                 if payload.get("usage"):
                     tokens += payload["usage"]["completion_tokens"] - counted
                 elif payload["choices"]:

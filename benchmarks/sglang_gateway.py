@@ -1,17 +1,7 @@
-"""SGLang's model gateway (pip `sglang-router`: a Rust router behind a Python launcher) in
-front of nanoserve engines, so `nanoserve bench routing` can compare it with nanoserve's
-router on the same engines.
-
-The gateway treats an engine's OpenAI HTTP front as an SGLang worker: GET /health when it
-registers the engine and every --health-check-interval-secs after; GET /get_server_info and
-/get_model_info once, for the model's name (optional: without them the engine serves as model
-"unknown"); each POST /v1/completions is parsed, re-serialized (SGLang's defaults such as
-"skip_special_tokens": true added, unknown fields kept) and its SSE stream relayed unchanged.
-Its `cache_aware` policy matches the prompt's TEXT against a radix tree of characters per
-engine, and its schema takes `prompt` as a string or a list of strings only: a token-id prompt
-is refused with 422 before any engine sees it, so turns through the gateway must be text.
-
-Torch-free: it only starts the gateway and polls it over HTTP.
+"""SGLang's model gateway (pip `sglang-router`) in front of nanoserve engines' OpenAI HTTP
+fronts, as SGLang workers, so `nanoserve bench routing` can compare it with nanoserve's router.
+Its `cache_aware` policy matches prompt TEXT, and it refuses token-id prompts (422): turns
+through it must be text. Torch-free: it only starts the gateway and polls it over HTTP.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""`nanoserve bench soak --minutes M`: mixed load through a router in front of two CPU
-engines of the tiny model, one engine killed (SIGKILL) and restarted on its port every
---restart-every minutes. Requests: greedy streams and unary calls (checked against a clean
-run's tokens), streams we cancel at random, short deadlines, bad requests. Outcomes: ok,
-cancelled, deadline, invalid (a bad request refused, as it must be) and unexplained (anything
-else). Per minute the outcomes and latency; at the end every process's RSS at start and end
-and the KV blocks each engine holds once idle. Exit status 1 on an unexplained outcome or a
-block held at idle. Torch-free: it starts processes and talks gRPC."""
+"""`nanoserve bench soak --minutes M`: mixed load (greedy streams and unary calls checked
+against a clean run, random cancels, short deadlines, bad requests) through a router to two
+CPU engines, one SIGKILLed and restarted on its port every --restart-every minutes. Exit
+status 1 on an unexplained outcome or a KV block held at idle. Torch-free."""
 
 from __future__ import annotations
 
@@ -26,9 +22,18 @@ from dataclasses import dataclass, field
 import grpc
 from tqdm.auto import tqdm
 
-from benchmarks.procs import ROOT, ServerProc, core_pid, rss_bytes
+from benchmarks.procs import (
+    ENGINE_READY,
+    NANOSERVE,
+    ROOT,
+    ServerProc,
+    core_pid,
+    rss_bytes,
+    start_engines,
+    start_routers,
+    threads_each,
+)
 from benchmarks.results import percentile, record
-from benchmarks.routing import start_engines, start_router
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 
@@ -54,11 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-arg", action="append", default=[], metavar="FLAG")
     parser.add_argument("--start-timeout", type=float, default=180.0, metavar="S")
     parser.add_argument("--no-record", action="store_true", help="do not log the figures")
-    # the rest of what benchmarks.routing's start_engines / start_router read
-    parser.set_defaults(num_engines=2, device="cpu", dtype="float32", num_kv_blocks=2048,
-                        kv_block_size=None, max_num_batched_tokens=None, max_num_seqs=None,
-                        max_model_len=512, engine_devices=None, cache_weight=None,
-                        load_guard_ratio=None, load_guard_min=None)
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Soak:
         victim.proc.wait(30)
         new = victim.restarted()
         self.stack.callback(new.stop)
-        new.wait_for("nanoserve engine ready", self.args.start_timeout)
+        new.wait_for(ENGINE_READY, self.args.start_timeout)
         self.engines[i] = new
         self.restarts[f"engine {i}"] += 1
         tqdm.write(f"engine {i} ({victim.target}) killed (SIGKILL) and restarted")
@@ -256,10 +256,15 @@ def main(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if args.model is None:
             args.model = stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-"))
-            subprocess.run([sys.executable, "-m", "clients.cli", "tiny-model", args.model],
-                           cwd=ROOT, check=True, capture_output=True)
-        engines = start_engines(args, stack)
-        router = start_router(args, [e.target for e in engines], "prefix", stack)
+            subprocess.run([*NANOSERVE, "tiny-model", args.model], cwd=ROOT, check=True,
+                           capture_output=True)
+        engines = start_engines(
+            args.model, "--http-port", "0", "--device", "cpu", "--dtype", "float32",
+            "--num-kv-blocks", "2048", "--max-model-len", "512", *args.engine_arg, n=2,
+            timeout=args.start_timeout, env=threads_each(2), max_lines=400, stack=stack)
+        router, = start_routers([e.target for e in engines], "--policy", "prefix",
+                                *args.router_arg, timeout=args.start_timeout, serving=True,
+                                max_lines=400, stack=stack)
         s = Soak(config, args, engines, router, stack)
         rss = [{name: rss_bytes(pid) for name, pid in s.processes().items()}]
         asyncio.run(_load(s))

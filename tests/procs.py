@@ -3,39 +3,23 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.procs import ROOT, ServerProc
-
-
-def start_server(args: list[str], ready_marker: str, timeout: float = 120,
-                 env: dict | None = None) -> ServerProc:
-    """Run `nanoserve ARGS...` and wait until it prints `ready_marker`."""
-    sp = ServerProc(args[0], args, env)
-    try:
-        sp.wait_for(ready_marker, timeout)
-    except RuntimeError:
-        sp.stop(signal.SIGKILL)
-        raise
-    return sp
+from benchmarks.procs import ROOT, ServerProc, start_engines, start_routers
 
 
 def start_engine(model_dir, *extra: str, **kw) -> ServerProc:
-    args = ["engine", "--model", str(model_dir), "--port", "0", "--device", "cpu",
-            "--dtype", "float32", "--num-kv-blocks", "512", *extra]
-    return start_server(args, "nanoserve engine ready", **kw)
+    """A CPU float32 engine with 512 KV blocks (`extra` flags win), once it is ready."""
+    return start_engines(model_dir, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks",
+                         "512", *extra, **kw)[0]
 
 
 def start_router(engine_targets: list[str], *extra: str, **kw) -> ServerProc:
-    """`nanoserve router` over `engine_targets` on a free port (its HTTP front too, unless
-    `extra` says otherwise); returns once it listens (its engines may not be routable yet:
-    they join as their health checks pass)."""
-    args = ["router", *(a for t in engine_targets for a in ("--engine", t)), "--port", "0",
-            "--http-port", "0", *extra]
-    return start_server(args, "router listening on", **kw)
+    """A router over `engine_targets`, once it listens (its engines join as their health
+    checks pass)."""
+    return start_routers(engine_targets, *extra, **kw)[0]
 
 
 NODE_DIR = ROOT / "clients" / "node"

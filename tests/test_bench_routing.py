@@ -60,15 +60,8 @@ def test_workload_shape_and_poisson_starts():
     assert again.system_prompts == w.system_prompts and again.conversations == w.conversations
     burst = make_workload(3, 2, 1, 20, 5, 4, 0.0, 1, range(300))
     assert all(c.start == 0 and c.think_times == [] for c in burst.conversations)
-
-
-def test_shifted_workload_keeps_its_shape():
-    w = make_workload(2, 3, 2, 8, 3, 4, 1.0, 0, range(50))
-    s = w.shifted(7, 50)
-    assert [[(t + 7) % 50 for t in p] for p in w.system_prompts] == s.system_prompts
-    for a, b in zip(w.conversations, s.conversations, strict=True):
-        assert (a.tenant, a.start) == (b.tenant, b.start)
-        assert [[(t + 7) % 50 for t in m] for m in a.user_messages] == b.user_messages
+    with pytest.raises(ValueError, match="max_tokens"):
+        make_workload(3, 2, 1, 20, 5, 0, 0.0, 1, range(300))
 
 
 def test_replay_spreads_turns_over_replicas_and_builds_history():
@@ -148,7 +141,7 @@ def test_oracle_reads_fake_engines_and_sends_to_the_best():
 
 @pytest.mark.timeout(90)
 def test_grpc_and_http_senders_agree_on_a_real_engine(tiny_model_dir):
-    import httpx
+    import aiohttp
 
     from clients import AsyncClient
     from tests.procs import start_engine
@@ -162,7 +155,7 @@ def test_grpc_and_http_senders_agree_on_a_real_engine(tiny_model_dir):
 
         async def turns() -> tuple[Reply, Reply, EngineView]:
             async with AsyncClient(engine.target) as client, \
-                    httpx.AsyncClient(base_url=base, timeout=60) as http:
+                    aiohttp.ClientSession(base) as http:
                 by_grpc = await grpc_sender(client, 6, 60)(prompt)
                 by_http = await http_sender(http, model, 6)(prompt)
             async with Oracle([engine.target], 6, 30) as oracle:
@@ -259,6 +252,5 @@ def test_bench_routing_end_to_end(tiny_model_dir, tmp_path):
         assert float(r["output tok/s"]) > 0, out
         per_engine = [int(x) for x in r["requests per engine"].split("/")]  # engines' /metrics
         assert len(per_engine) == 2 and sum(per_engine) == requests, out
-    assert "engine ids say" not in stderr, out  # metrics and chunks agree on where turns went
     assert rows["oracle"]["hit rate / oracle"] == "1.00", out
     assert not results.exists()  # --no-record

@@ -9,7 +9,11 @@ import logging
 import os
 import sys
 
-from engine_service.common.serving_flags import ServingOptions, add_serving_arguments
+from engine_service.common.serving_flags import (
+    ServingOptions,
+    add_serving_arguments,
+    dataclass_from_args,
+)
 from engine_service.common.tls import add_tls_arguments, check_tls_files, server_credentials
 from engine_service.config import (
     ATTENTION_BACKENDS,
@@ -85,25 +89,8 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch's seed, and that of --load-format dummy's random weights")
 
 
-def engine_config_from_args(args: argparse.Namespace):
-    from engine_service.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_block_size=args.kv_block_size, num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        attention_backend=args.attention_backend, load_format=args.load_format,
-        scheduling_policy=args.scheduling_policy,
-        speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-        speculative_model=args.speculative_model,
-        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        max_waiting_requests=args.max_waiting_requests,
-        core_watchdog_timeout=args.core_watchdog_timeout, seed=args.seed)
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return dataclass_from_args(EngineConfig, args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,8 +119,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         check_tls_files(args.tls_cert, args.tls_key, args.tls_ca, ca_alone=False)
-        serving = ServingOptions(args.http_port, args.served_model_name, args.api_key,
-                                 args.tls_cert, args.tls_key, args.tls_ca)
+        serving = dataclass_from_args(ServingOptions, args)
     except ValueError as e:
         print(f"error: {e}")
         return 2

@@ -23,16 +23,23 @@ from typing import NoReturn
 import grpc
 
 from engine_service import core_process as core
-from engine_service.common.detokenizer import IncrementalDetokenizer
+from engine_service.common.detokenizer import (
+    IncrementalDetokenizer,
+    OutputStep,
+    apply_output,
+    tokenizer_if_present,
+)
+from engine_service.common.openai_protocol import ModelCard
 from engine_service.common.proto_convert import (
     FINISH_REASONS,
     Refused,
-    add_chunk,
+    cancel_code,
     check_prompt_bytes,
     logprob_to_proto,
     prompt_ids_from_proto,
     sampling_params_from_request,
     stop_reason_to_str,
+    unary_from_stream,
 )
 from engine_service.common.sampling_params import (
     SamplingParams,
@@ -40,7 +47,6 @@ from engine_service.common.sampling_params import (
     check_field,
     validate_prompt,
 )
-from engine_service.common.tokenizer import Tokenizer
 from engine_service.engine import RequestOutput
 from engine_service.metrics import EngineMetrics
 from nanoserve.v1 import nanoserve_pb2 as pb
@@ -49,7 +55,6 @@ from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 KV_EVENT_HISTORY = 4096  # batches kept for SubscribeKvEvents resumption
 TOKENIZER_PIECE_BYTES = 1 << 20
-DEADLINE_SLACK_S = 0.1  # a cancel this close to the deadline counts as the deadline
 
 
 @dataclass
@@ -73,9 +78,7 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         self.model_dir = model_dir
         self.model_name = model_name or Path(model_dir).name  # --served-model-name
         self.engine_id = engine_id
-        # A --load-format dummy directory may hold only config.json: token ids in and out.
-        has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer else None
+        self.tokenizer = tokenizer_if_present(model_dir)
         self._requests = requests
         self._outputs = outputs
         self.max_in_flight = max_in_flight
@@ -228,6 +231,12 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         """The engine serves a diffusion model (known once the core is ready)."""
         return bool(self.model_info and self.model_info.get("is_diffusion"))
 
+    def model_card(self) -> ModelCard | None:
+        """The model the HTTP front serves; None until the core is ready."""
+        info = self.model_info
+        return None if info is None else ModelCard(self.model_name, info["max_model_len"],
+                                                   info["vocab_size"], self.is_diffusion)
+
     def _block_size(self) -> int:
         return int(self.model_info["kv_block_size"]) if self.model_info else 0
 
@@ -291,17 +300,6 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
         validate_prompt(ids, self.model_info["max_model_len"], self.model_info["vocab_size"])
         return ids
 
-    def _count_cancelled(self, state: RequestState, context) -> None:
-        if state.done:  # it finished; only its last chunk's write was cut
-            return
-        # grpc cancels the handler both when the client goes away and when its deadline
-        # passes; only the time left tells them apart. The client's own deadline timer
-        # often fires first, so its cancel can beat ours by a few milliseconds.
-        left = context.time_remaining()
-        expired = left is not None and left < DEADLINE_SLACK_S
-        self.metrics.error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
-        self.metrics.finished["abort"].inc()
-
     def _release(self, state: RequestState) -> None:
         if not state.done:  # cancelled, expired, or ended by a stop string: free its blocks
             self._send(core.AbortRequest(state.core_id))
@@ -335,37 +333,31 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
     def _apply_output(self, state: RequestState, out: RequestOutput,
                       chunk: pb.GenerateChunk) -> bool:
         """Add one step's output to the chunk; True when the request has ended."""
-        upd = state.detok.update(out.new_token_ids) if state.detok is not None else None
-        tokens = out.new_token_ids if upd is None else out.new_token_ids[:upd.num_tokens]
+        step = apply_output(state.detok, out)
+        tokens = out.new_token_ids[:step.num_tokens]
         state.num_output_tokens += len(tokens)
         chunk.token_ids.extend(tokens)
         for token, lp in zip(tokens, out.new_logprobs, strict=False):
             if lp is not None:
                 chunk.logprobs.append(logprob_to_proto(token, lp))
-        if upd is not None:
-            chunk.text += upd.text_delta
-        if upd is not None and upd.stopped:
-            self._finish(state, chunk, "stop", upd.stop_string, out)
-        elif out.finished:
-            if state.detok is not None:
-                chunk.text += state.detok.finish()
-            state.done = True  # the core already freed it
-            self._finish(state, chunk, out.finish_reason, out.stop_reason, out)
+        chunk.text += step.text
+        if step.finished:
+            self._finish(state, chunk, step, out)
         return state.done
 
-    def _finish(self, state: RequestState, chunk: pb.GenerateChunk, reason: str | None,
-                stop_reason, out: RequestOutput) -> None:
-        chunk.finish_reason = FINISH_REASONS[reason]
-        chunk.stop_reason = stop_reason_to_str(stop_reason)
+    def _finish(self, state: RequestState, chunk: pb.GenerateChunk, step: OutputStep,
+                out: RequestOutput) -> None:
+        chunk.finish_reason = FINISH_REASONS[step.finish_reason]
+        chunk.stop_reason = stop_reason_to_str(step.stop_reason)
         chunk.usage.CopyFrom(pb.Usage(prompt_tokens=state.num_prompt_tokens,
                                       completion_tokens=state.num_output_tokens,
                                       cached_prompt_tokens=out.num_cached_tokens,
                                       num_forward_passes=out.num_forward_passes))
-        self.metrics.finished[reason or "abort"].inc()
+        self.metrics.finished[step.finish_reason or "abort"].inc()
         self.metrics.e2e.observe(time.perf_counter() - state.arrival)
-        if reason == "stop" and not out.finished:
+        if step.stopped_by_text and not out.finished:
             self._release(state)  # a stop string: abort in the core now
-        state.done = True
+        state.done = True  # else the core already freed it
 
     # ------------------------------------------------------------ Generation service
 
@@ -376,23 +368,15 @@ class Frontend(pb_grpc.GenerationServicer, pb_grpc.EngineServicer):
                 yield chunk
         # GeneratorExit: cancelled while grpc was writing a chunk, outside this generator.
         except (asyncio.CancelledError, GeneratorExit):
-            self._count_cancelled(state, context)
+            if not state.done:  # else it finished; only its last chunk's write was cut
+                self.metrics.error(cancel_code(context))
+                self.metrics.finished["abort"].inc()
             raise
         finally:
             self._release(state)
 
     async def Generate(self, request, context):
-        state = await self._submit(request)
-        resp = pb.GenerateResponse(request_id=state.request_id, engine_id=self.engine_id)
-        try:
-            async for chunk in self._chunks(state):
-                add_chunk(resp, chunk)
-        except asyncio.CancelledError:
-            self._count_cancelled(state, context)
-            raise
-        finally:
-            self._release(state)
-        return resp
+        return await unary_from_stream(self.Stream(request, context))
 
     # ------------------------------------------------------------ Engine service
 

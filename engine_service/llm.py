@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from engine_service.common.detokenizer import IncrementalDetokenizer
+from engine_service.common.detokenizer import (
+    IncrementalDetokenizer,
+    apply_output,
+    tokenizer_if_present,
+)
 from engine_service.common.sampling_params import SamplingParams, check_field
-from engine_service.common.tokenizer import Tokenizer
 from engine_service.config import EngineConfig
 from engine_service.engines import make_engine
 
@@ -35,9 +37,7 @@ class LLM:
     def __init__(self, model: str, **engine_config):
         self.config = EngineConfig(model=model, **engine_config)
         self.engine = make_engine(self.config)
-        # A --load-format dummy directory may hold only config.json: token-id prompts only.
-        has_tok = os.path.isfile(os.path.join(model, "tokenizer.json"))
-        self.tokenizer = Tokenizer.from_dir(model) if has_tok else None
+        self.tokenizer = tokenizer_if_present(model)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | SequenceT[Prompt],
@@ -100,21 +100,16 @@ class LLM:
                 if ro.request_id not in pending:
                     continue
                 out, detok = outputs[ro.request_id], detoks.get(ro.request_id)
-                upd = detok.update(ro.new_token_ids) if detok is not None else None
-                kept = len(ro.new_token_ids) if upd is None else upd.num_tokens
-                out.token_ids += ro.new_token_ids[:kept]
-                for lp in ro.new_logprobs[:kept]:
+                step = apply_output(detok, ro)
+                out.token_ids += ro.new_token_ids[:step.num_tokens]
+                for lp in ro.new_logprobs[:step.num_tokens]:
                     if lp is not None:
                         out.logprobs.append(lp)
                 out.num_cached_tokens = ro.num_cached_tokens
-                if upd is not None and upd.stopped:
+                if step.stopped_by_text:
                     self.engine.abort(ro.request_id)
-                    out.finish_reason, out.stop_reason = "stop", upd.stop_string
-                elif ro.finished:
-                    if detok is not None:
-                        detok.finish()
-                    out.finish_reason, out.stop_reason = ro.finish_reason, ro.stop_reason
-                if out.finish_reason is not None:
+                if step.finished:
+                    out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
                     out.text = detok.output_text if detok is not None else ""
                     pending.discard(ro.request_id)
                     bar.update(1)

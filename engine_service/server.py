@@ -8,23 +8,19 @@ import contextlib
 import logging
 import multiprocessing as mp
 import signal
-import socket
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine_service import core_process as core
 from engine_service.common.api_key import api_key_interceptors
-from engine_service.common.http_server import Backend, HttpServer, bind_http, build_app, serve_http
-from engine_service.common.openai_protocol import ModelCard
+from engine_service.common.http_server import bind_http
 from engine_service.common.proto_convert import (
     MAX_PROMPT_BYTES_PER_TOKEN,
     MAX_REQUEST_BYTES,
     StatusInterceptor,
 )
+from engine_service.common.serving import Health, start_openai
 from engine_service.common.serving_flags import ServingOptions
 from engine_service.common.tls import add_port
 from engine_service.config import EngineConfig
@@ -83,28 +79,17 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
     metrics.core_stalled.set_function(lambda: float(frontend.core_stalled))
     pb_grpc.add_GenerationServicer_to_server(frontend, server)
     pb_grpc.add_EngineServicer_to_server(frontend, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
-
-    health_now = health_pb2.HealthCheckResponse.NOT_SERVING  # what /health answers too
-
-    async def set_health(status) -> None:
-        nonlocal health_now
-        health_now = status
-        for name in ("", *SERVICE_NAMES):
-            await health_servicer.set(name, status)
-
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    health = Health(server, SERVICE_NAMES)
+    await health.set(False)
     await server.start()
     frontend.start()
     print(f"nanoserve engine listening on {host}:{bound}", flush=True)
     http = None
     if http_socket is not None:
-        http = await _serve_openai(frontend, metrics, http_socket, serving,
-                                   lambda: health_now == health_pb2.HealthCheckResponse.SERVING)
+        http = await start_openai(
+            http_socket, serving, stream=frontend.Stream, model=frontend.model_card,
+            serving=lambda: health.serving, tokenizer=lambda: frontend.tokenizer,
+            registry=metrics.registry)
         print(f"nanoserve engine OpenAI API on {http.scheme}://{host}:{http.port}", flush=True)
 
     stop = asyncio.Event()
@@ -122,15 +107,14 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
             now_stalled = frontend.check_core_progress(config.core_watchdog_timeout)
             if now_stalled != stalled:
                 stalled = now_stalled
-                await set_health(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
-                                 else health_pb2.HealthCheckResponse.SERVING)
+                await health.set(not stalled)
 
     ready = asyncio.create_task(frontend.ready.wait())
     gone = asyncio.create_task(frontend.core_gone.wait())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({ready, gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if frontend.ready.is_set() and not frontend.core_gone.is_set():
-        await set_health(health_pb2.HealthCheckResponse.SERVING)
+        await health.set(True)
         print("nanoserve engine ready", flush=True)
         watchdog = asyncio.create_task(watch_core())
         await asyncio.wait({gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -142,7 +126,7 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
     if frontend.core_gone.is_set():
         logger.error("engine core is gone; serving stops: %s", frontend.core_error)
         exit_code = 1
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.set(False)
     frontend.accepting = False
     if exit_code == 0:
         try:  # drain: in-flight requests finish, new ones get UNAVAILABLE
@@ -163,18 +147,3 @@ async def serve(config: EngineConfig, *, host: str, port: int, engine_id: str | 
         t.cancel()
     return exit_code
 
-
-async def _serve_openai(frontend: Frontend, metrics: EngineMetrics, sock: socket.socket,
-                        serving: ServingOptions, is_serving: Callable[[], bool]) -> HttpServer:
-    """The OpenAI HTTP front on `sock`, feeding the frontend's Stream handler."""
-
-    def card() -> ModelCard | None:
-        info = frontend.model_info
-        return None if info is None else ModelCard(frontend.model_name, info["max_model_len"],
-                                                   info["vocab_size"], frontend.is_diffusion)
-
-    backend = Backend(stream=frontend.Stream, model=card, serving=is_serving,
-                      tokenizer=lambda: frontend.tokenizer, registry=metrics.registry,
-                      api_key=serving.api_key)
-    return await serve_http(build_app(backend), sock, tls_cert=serving.tls_cert,
-                            tls_key=serving.tls_key, tls_ca=serving.tls_ca)

@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 
-from engine_service.common.serving_flags import add_serving_arguments
+from engine_service.common.serving_flags import add_serving_arguments, dataclass_from_args
 from engine_service.common.tls import add_tls_arguments
 from router.config import RouterConfig
 from router.policy import POLICIES
@@ -90,20 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(
-        engine=args.engine, engine_dns=args.engine_dns, dns_interval=args.dns_interval,
-        host=args.host, port=args.port, metrics_port=args.metrics_port, policy=args.policy,
-        tokenizer=args.tokenizer, cache_weight=args.cache_weight,
-        load_guard_ratio=args.load_guard_ratio, load_guard_min=args.load_guard_min,
-        health_interval=args.health_interval, load_interval=args.load_interval,
-        optimistic_ttl=args.optimistic_ttl, max_attempts=args.max_attempts,
-        failure_backoff=args.failure_backoff, failure_backoff_max=args.failure_backoff_max,
-        stream_progress_timeout=args.stream_progress_timeout,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_queued_requests=args.max_queued_requests, queue_timeout=args.queue_timeout,
-        log_level=args.log_level, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_ca=args.tls_ca, http_port=args.http_port, served_model_name=args.served_model_name,
-        api_key=args.api_key)
+    return dataclass_from_args(RouterConfig, args)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -142,9 +129,3 @@ def main(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-def _standalone(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router",
-                                     description="nanoserve router (same as `nanoserve router`)")
-    add_arguments(parser)
-    return main(parser.parse_args(argv))

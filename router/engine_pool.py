@@ -1,30 +1,5 @@
-"""The engines behind the router: discovery, health, load and KV-event subscriptions.
-
-One `EngineClient` per engine address owns a channel and three background loops:
-  * health: grpc.health.v1 Check every `health_interval` s; on every turn to SERVING it
-    (re)reads GetModelInfo (block size, hash scheme, engine id) — an engine that
-    restarted may have changed. A check that cannot connect after the TLS files changed
-    (rotated) makes a new channel with them.
-  * load: GetLoad every `load_interval` s. Between two reports the router adds what it
-    sent itself (`begin_request`), so a burst does not pile onto one engine before the
-    engine's figure catches up. A sent request stops counting when it ends, or once a
-    report arrives that was asked for after the engine's first chunk of it
-    (`chunk_arrived`): the engine counts a request in its figures only from the step
-    that produced that chunk, so a report asked for merely after the *send* may not hold
-    it yet (it would make a burst's engine look idle until the next report).
-  * KV events (while the engine serves): SubscribeKvEvents into the PrefixIndex; a broken
-    stream resumes after the last sequence number, a gap re-subscribes from 0 (snapshot).
-Passive detection: `record_failure` (transport / server-side errors only) takes the engine
-out of rotation for an exponential backoff; `record_success` resets it. One crash fails
-every stream the engine held: a failure counts only when its request was sent after the
-last counted failure, so the streams of one crash count once. A health check that sees the
-engine serving again after it was down (restarted) also resets the backoff.
-Stalls: the router's calls to the engine are watched (`watch`); every health check cancels
-those that waited --stream-progress-timeout for a chunk after an earlier one, or (engine
-not serving: a hung core's watchdog) one health interval for any chunk. The router then
-counts the failure and continues the request elsewhere (`abandoned` tells it why). A
-draining engine's streams, still making progress, stay.
-"""
+"""The engines behind the router: discovery, health, load, KV-event subscriptions, passive
+failure detection and stalled calls (docs/architecture.md, "Router": engine_pool.py)."""
 
 from __future__ import annotations
 
@@ -209,7 +184,7 @@ class EngineClient:
         return handle
 
     def watch(self, handle: int, call: grpc.aio.Call) -> None:
-        """The request's call, cancelled when it stalls (module doc)."""
+        """The request's call, cancelled when it stalls (`_abandon_stalled`)."""
         self._watched[handle] = _Watched(call, self._clock())
 
     def chunk_arrived(self, handle: int) -> None:
@@ -340,6 +315,8 @@ class EngineClient:
             await asyncio.sleep(self.config.health_interval)
 
     async def poll_load(self) -> None:
+        """A sent request stops counting on top of the report once a report asked for after
+        its first chunk arrives: the engine counts it only from the step that made that chunk."""
         asked_at = self._clock()
         try:
             load = await self.engine.GetLoad(nanoserve_pb2.GetLoadRequest(),
@@ -407,13 +384,11 @@ class EnginePool:
     """Every known engine, from a static list or a periodically re-resolved DNS name."""
 
     def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics,
-                 resolver: Resolver = resolve_dns,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 resolver: Resolver = resolve_dns) -> None:
         self.config = config
         self.index = index
         self.metrics = metrics
         self._resolver = resolver
-        self._clock = clock
         self._engines: dict[str, EngineClient] = {}
         self._dns_task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # engines that left, closing
@@ -446,7 +421,7 @@ class EnginePool:
             task.add_done_callback(self._closing.discard)
         for key in sorted(wanted - set(self._engines)):
             log.info("engine %s joined the pool", key)
-            client = EngineClient(key, self.config, self.index, self.metrics, self._clock)
+            client = EngineClient(key, self.config, self.index, self.metrics)
             self._engines[key] = client
             client.start()
 
@@ -468,18 +443,5 @@ class EnginePool:
     def engines(self) -> list[EngineClient]:
         return list(self._engines.values())
 
-    def get(self, key: str) -> EngineClient | None:
-        return self._engines.get(key)
-
     def routable(self) -> list[EngineClient]:
         return [e for e in self._engines.values() if e.routable()]
-
-    async def wait_ready(self, num_engines: int = 1, timeout: float = 10.0) -> bool:
-        """Wait until `num_engines` engines are routable (and their KV snapshot is in)."""
-        deadline = self._clock() + timeout
-        while self._clock() < deadline:
-            ready = [e for e in self.routable() if self.index.has_snapshot(e.key)]
-            if len(ready) >= num_engines:
-                return True
-            await asyncio.sleep(0.02)
-        return False

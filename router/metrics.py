@@ -6,8 +6,6 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from engine_service.common.listen import serve_metrics
-
 
 class RouterMetrics:
     """Label `engine` is the engine's address as the router knows it (HOST:PORT)."""
@@ -61,7 +59,3 @@ class RouterMetrics:
         for gauge in (self.engine_healthy, self.engine_load):
             with contextlib.suppress(KeyError):
                 gauge.remove(engine)
-
-    def serve(self, host: str, port: int):
-        """Start the /metrics HTTP endpoint; returns the server (call .shutdown())."""
-        return serve_metrics(self.registry, host, port)

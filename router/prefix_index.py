@@ -1,17 +1,6 @@
-"""What each engine holds in its prefix cache, as the router knows it.
-
-Per engine: the confirmed block hashes (from that engine's SubscribeKvEvents stream: a
-snapshot, then stored/removed deltas) plus optimistic entries that the router inserts
-when it sends a prompt to the engine. An optimistic entry stands in until the engine's
-own `stored` event confirms it, or expires after `optimistic_ttl_s` (the request may have
-failed or the blocks may have been evicted before the router heard of them).
-
-Sequence numbers: engines number batches, one more than the previous batch, so a delta
-that continues the stream has `sequence_number == last + 1`. Any other number means
-events were lost (a gap) or the stream went backwards: the caller must re-subscribe from 0
-for a fresh snapshot. A batch is applied removed-first, then stored, which is the order a
-block manager produces within one step (evict on allocation, store after the step).
-"""
+"""What each engine holds in its prefix cache, as the router knows it: the confirmed block
+hashes of its SubscribeKvEvents stream, plus optimistic entries inserted when a prompt is
+sent there, until a `stored` event confirms them or `optimistic_ttl_s` passes."""
 
 from __future__ import annotations
 
@@ -69,6 +58,8 @@ class PrefixIndex:
 
     def apply_delta(self, engine: str, sequence_number: int, stored: Sequence[int],
                     removed: Sequence[int]) -> ApplyResult:
+        """A delta continues the stream only at sequence number last + 1. Removed first, then
+        stored: a block manager's order within one step (evict on allocation, store after)."""
         entry = self._entry(engine)
         if not entry.has_snapshot:
             return ApplyResult.NO_SNAPSHOT
@@ -155,10 +146,3 @@ class PrefixIndex:
             dead = [h for h, expiry in entry.optimistic.items() if expiry <= now]
             for h in dead:
                 del entry.optimistic[h]
-
-    def num_blocks(self, engine: str) -> tuple[int, int]:
-        """(confirmed, optimistic) entry counts, for metrics and tests."""
-        entry = self._engines.get(engine)
-        if entry is None:
-            return 0, 0
-        return len(entry.confirmed), len(entry.optimistic)

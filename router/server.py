@@ -1,41 +1,12 @@
-"""The router's Generation service: tokenize once, route, forward token ids, fail over.
+"""The router's Generation service: tokenize once, route, forward token ids, fail over
+(docs/architecture.md, "Router"). Every status it ends an RPC with is `bounded` and raised
+as proto_convert.Refused rather than by context.abort.
 
-A request's life here:
-  1. check it: decodable (proto_convert.StatusInterceptor), sampling values valid, its
-     request_id not already in flight through this router (held until the request ends,
-     however it ends); an engine's INVALID_ARGUMENT still comes back to the client
-     unchanged, never retried; then a --max-concurrent-requests slot (router.admission),
-     held until the RPC ends, or RESOURCE_EXHAUSTED with a retry-after hint;
-  2. turn the prompt into token ids (text and chat messages with the engines' tokenizer, in
-     a thread), after a byte bound on the text (proto_convert.check_prompt_bytes); refuse
-     a prompt longer than every engine's max_model_len allows;
-  3. score the routable engines that can hold the prompt (router.policy) and send the ids
-     to the winner's Stream (the unary Generate is served from the same stream, so it
-     fails over the same way);
-  4. forward every chunk as the engine wrote it (engine_id included);
-  5. on a transport / server-side error, or a stall (the engine pool cancels a call that
-     makes no progress, router.engine_pool): if no token reached the client yet, send the
-     same request to another engine; otherwise continue on another engine from prompt +
-     tokens already sent, with max_tokens and min_tokens reduced by what was sent and the
-     same seed, so the client's stream goes on with no token twice. A diffusion model's
-     request (its engines' ModelInfo.architecture says so) is as long as its gen_length and
-     comes in whole blocks: it continues from the next block, with gen_length and steps
-     reduced by the blocks sent (the same canvas, the same passes a block).
-
-Continuation and text: the new engine detokenizes only the tokens it generates, so text
-that the failed engine held back (an incomplete UTF-8 character, a possible stop string)
-would be lost. When the router has a tokenizer and the request has no stop strings, it
-decodes the tokens already sent and prepends what the client has not seen to the first
-continued chunk. token_ids are always exact; text across a failover is best effort, and a
-stop string spanning the failover point is not detected. The last chunk's usage is
-rewritten to the client's view: prompt_tokens = the original prompt, completion_tokens =
-every token sent, cached_prompt_tokens as reported by the finishing engine (capped at the
-prompt), num_forward_passes as the finishing engine counts them. Greedy requests without
-presence/frequency penalties (diffusion: temperature 0, low_confidence, no cfg_scale, no
-dllm_cache) continue exactly as one engine would have.
-
-Every status the router ends an RPC with goes through router.errors.bounded (no message
-echoes a huge value), raised as proto_convert.Refused rather than by context.abort.
+A continuing engine detokenizes only the tokens it generates, so text the failed one held
+back (an incomplete character, a possible stop string) is decoded by the router and owed to
+the next chunk (best effort, only without stop strings; token ids are always exact). The
+last chunk's usage is rewritten to the client's view (`_to_client_view`). Greedy requests
+without presence/frequency penalties continue exactly as one engine would have.
 """
 
 from __future__ import annotations
@@ -46,29 +17,27 @@ import dataclasses
 import itertools
 import logging
 import random
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine_service.common.api_key import api_key_interceptors
 from engine_service.common.block_hash import hash_prompt_blocks
-from engine_service.common.http_server import Backend, HttpServer, bind_http, build_app, serve_http
+from engine_service.common.http_server import HttpServer, bind_http
+from engine_service.common.listen import serve_metrics
 from engine_service.common.openai_protocol import ModelCard
 from engine_service.common.proto_convert import (
     MAX_REQUEST_BYTES,
     Refused,
     StatusInterceptor,
-    add_chunk,
+    cancel_code,
     check_prompt_bytes,
     diffusion_params_to_proto,
     prompt_ids_from_proto,
     sampling_params_from_request,
+    unary_from_stream,
 )
 from engine_service.common.sampling_params import (
     DIFFUSION_ARCHITECTURES,
@@ -78,20 +47,17 @@ from engine_service.common.sampling_params import (
     check_prompt_len,
     quote,
 )
+from engine_service.common.serving import SERVING, Health, start_openai
 from engine_service.common.tls import add_port, server_credentials
 from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from router.admission import RETRY_AFTER_S, Admission, Rejected
 from router.config import RouterConfig
 from router.engine_pool import EngineClient, EnginePool, Resolver, resolve_dns
-from router.errors import bounded
 from router.metrics import RouterMetrics
 from router.policy import REASON_CONTINUATION, REASON_RETRY, Candidate, Decision, choose
 from router.prefix_index import PrefixIndex
 from router.tokenizer_source import TokenizerSource, TokenizerUnavailable
-
-if TYPE_CHECKING:  # loaded on first use (router.tokenizer_source)
-    from engine_service.common.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.router")
 
@@ -104,6 +70,19 @@ RETRYABLE = frozenset({Code.UNAVAILABLE, Code.INTERNAL, Code.DATA_LOSS, Code.CAN
 # Counted against the engine's health (a full queue is not a fault).
 ENGINE_FAULTS = RETRYABLE - {Code.RESOURCE_EXHAUSTED, Code.ABORTED}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# A status travels in metadata (16 KiB at most): a message echoing a huge value would break
+# the call itself. Values the router quotes go through sampling_params.quote; this caps the
+# rest (an engine's message, an exception's text).
+MAX_MESSAGE_BYTES = 1024
+
+
+def bounded(message: str) -> str:
+    """`message`, or its first bytes and its length when over MAX_MESSAGE_BYTES of UTF-8."""
+    data = message.encode("utf-8")
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return message
+    tail = f"... (length {len(message)})"
+    return data[:MAX_MESSAGE_BYTES - len(tail)].decode("utf-8", errors="ignore") + tail
 
 
 @dataclass
@@ -120,16 +99,6 @@ class _Abort(Refused):
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(code, bounded(message))
-
-
-def checked_prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None,
-                       max_model_len: int | None) -> list[int]:
-    """The prompt as token ids, no longer than the largest max_model_len (None: unknown)
-    allows; ValueError names what is wrong."""
-    ids = prompt_ids_from_proto(request, tokenizer)
-    if max_model_len is not None:
-        check_prompt_len(len(ids), max_model_len)
-    return ids
 
 
 def continuation_request(original: pb.GenerateRequest, request_id: str, prompt_ids: list[int],
@@ -206,30 +175,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.metrics.errors.labels(e.code.name).inc()
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            self._count_gone(context)
+            self.metrics.errors.labels(cancel_code(context)).inc()
             raise
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        response = pb.GenerateResponse()
-        try:
-            async with contextlib.aclosing(self._run(request, context)) as chunks:
-                async for chunk in chunks:
-                    add_chunk(response, chunk)
-        except _Abort as e:
-            self.metrics.errors.labels(e.code.name).inc()
-            raise
-        except asyncio.CancelledError:
-            self._count_gone(context)
-            raise
-        return response
-
-    def _count_gone(self, context: grpc.aio.ServicerContext) -> None:
-        """grpc cancels the handler when the client cancels and when its deadline passes."""
-        remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= 0
-        code = Code.DEADLINE_EXCEEDED if expired else Code.CANCELLED
-        self.metrics.errors.labels(code.name).inc()
+        return await unary_from_stream(self.Stream(request, context))
 
     # ---- one request ------------------------------------------------------------------
 
@@ -402,10 +353,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except TokenizerUnavailable as e:
                 raise _Abort(Code.UNAVAILABLE, str(e)) from None
         try:  # tokenizing off the event loop: other streams keep flowing
-            return await asyncio.to_thread(checked_prompt_ids, request, tokenizer,
-                                           max_model_len)
+            ids = await asyncio.to_thread(prompt_ids_from_proto, request, tokenizer)
+            if max_model_len is not None:
+                check_prompt_len(len(ids), max_model_len)
         except ValueError as e:
             raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
+        return ids
 
     def _route(self, request_id: str, token_ids: list[int], tried: set[str], max_tokens: int,
                again: str | None) -> tuple[EngineClient, int] | None:
@@ -504,12 +457,11 @@ class Router:
         self.tokenizers = TokenizerSource(config.tokenizer)
         self.servicer = GenerationServicer(config, self.pool, self.index, self.tokenizers,
                                            self.metrics)
-        self.health = health.aio.HealthServicer()
+        self.health: Health | None = None  # with the gRPC server
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._metrics_server = None
         self.http: HttpServer | None = None  # the OpenAI HTTP front, once started
-        self.serving = False  # the health state, for gRPC health and HTTP /health alike
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -522,19 +474,18 @@ class Router:
         server = grpc.aio.server(interceptors=[*api_key_interceptors(self.config.api_key),
                                                StatusInterceptor()], options=options)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.health = Health(server, (SERVICE_NAME,))
         self.port = add_port(server, f"{self.config.host}:{self.config.port}",
                              server_credentials(self.config.tls_cert, self.config.tls_key))
         if self.config.metrics_port:  # bound before serving: a taken port fails start-up
-            self._metrics_server = self.metrics.serve(self.config.host, self.config.metrics_port)
+            self._metrics_server = serve_metrics(self.metrics.registry, self.config.host,
+                                                 self.config.metrics_port)
         http_port = self.config.http_port
         http_socket = None if http_port is None else bind_http(self.config.host, http_port)
-        await self._set_health(False)
+        await self.health.set(False)
         # "liveness" answers SERVING while the process runs: a liveness probe on "" would
         # restart every router while its engines are still loading.
-        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.servicer.set("liveness", SERVING)
         await server.start()
         self._server = server
         await self.pool.start()
@@ -542,19 +493,13 @@ class Router:
         log.info("router listening on %s:%d (policy %s)", self.config.host, self.port,
                  self.config.policy)
         if http_socket is not None:
-            await self._serve_openai(http_socket)
+            self.http = await start_openai(
+                http_socket, self.config.serving_options(), stream=self.servicer.Stream,
+                model=self.model_card, serving=lambda: self.health.serving,
+                tokenizer=lambda: self.tokenizers.loaded, registry=self.metrics.registry)
+            log.info("router OpenAI API on %s://%s:%d", self.http.scheme, self.config.host,
+                     self.http.port)
         return self.port
-
-    async def _serve_openai(self, sock: socket.socket) -> None:
-        """The OpenAI HTTP front on `sock`, feeding the servicer's Stream handler."""
-        options = self.config.serving_options()
-        backend = Backend(stream=self.servicer.Stream, model=self.model_card,
-                          serving=lambda: self.serving, tokenizer=lambda: self.tokenizers.loaded,
-                          registry=self.metrics.registry, api_key=options.api_key)
-        self.http = await serve_http(build_app(backend), sock, tls_cert=options.tls_cert,
-                                     tls_key=options.tls_key)
-        log.info("router OpenAI API on %s://%s:%d", self.http.scheme, self.config.host,
-                 self.http.port)
 
     def model_card(self) -> ModelCard | None:
         """The model the HTTP front serves: --served-model-name or the engines' name, with
@@ -572,7 +517,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         if self._server is not None:
-            await self._set_health(False)
+            await self.health.set(False)
             await asyncio.gather(self._server.stop(grace), *(
                 [self.http.stop(grace or 0)] if self.http is not None else []))
         await self.pool.close()
@@ -583,13 +528,6 @@ class Router:
     async def wait_for_termination(self) -> None:
         assert self._server is not None
         await self._server.wait_for_termination()
-
-    async def _set_health(self, serving: bool) -> None:
-        self.serving = serving
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
 
     async def _health_loop(self) -> None:
         """SERVING while at least one engine can take requests; the first time only once one
@@ -602,7 +540,7 @@ class Router:
             synced = synced or any(self.index.has_snapshot(e.key) for e in routable)
             now_serving = bool(routable) and synced
             if now_serving != serving:
-                await self._set_health(now_serving)
+                await self.health.set(now_serving)
                 serving = now_serving
             self.index.expire()
             await asyncio.sleep(min(self.config.health_interval, 0.5))

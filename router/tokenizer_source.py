@@ -1,8 +1,5 @@
-"""The router's tokenizer: from --tokenizer DIR, or fetched once from an engine.
-
-engine_service.common.tokenizer is torch-free; it is imported on first use so that a router that
-only ever sees token-id prompts never loads it.
-"""
+"""The router's tokenizer: from --tokenizer DIR, or fetched once from an engine; loaded on
+first use, so a router that only sees token-id prompts never loads it."""
 
 from __future__ import annotations
 
@@ -19,25 +16,16 @@ if TYPE_CHECKING:
     from router.engine_pool import EnginePool
 
 log = logging.getLogger("nanoserve.router")
+FETCH_TIMEOUT_S = 30.0
 
 
 class TokenizerUnavailable(RuntimeError):
     pass
 
 
-async def fetch_tokenizer_files(stub, timeout: float) -> dict[str, bytes]:
-    """Collect GetTokenizer's stream into {file name: bytes}."""
-    files: dict[str, bytearray] = {}
-    call = stub.GetTokenizer(nanoserve_pb2.GetTokenizerRequest(), timeout=timeout)
-    async for piece in call:
-        files.setdefault(piece.name, bytearray()).extend(piece.content)
-    return {name: bytes(data) for name, data in files.items()}
-
-
 class TokenizerSource:
-    def __init__(self, tokenizer_dir: str | None, fetch_timeout: float = 30.0) -> None:
+    def __init__(self, tokenizer_dir: str | None) -> None:
         self._dir = tokenizer_dir
-        self._fetch_timeout = fetch_timeout
         self._tokenizer: Tokenizer | None = None
         self._lock = asyncio.Lock()
 
@@ -69,9 +57,12 @@ class TokenizerSource:
 
         errors = []
         for engine in pool.routable() or pool.engines():
+            files: dict[str, bytearray] = {}
             try:
-                files = await fetch_tokenizer_files(engine.engine, self._fetch_timeout)
-                tokenizer = Tokenizer.from_files(files)
+                async for piece in engine.engine.GetTokenizer(
+                        nanoserve_pb2.GetTokenizerRequest(), timeout=FETCH_TIMEOUT_S):
+                    files.setdefault(piece.name, bytearray()).extend(piece.content)
+                tokenizer = Tokenizer(files)
             except grpc.aio.AioRpcError as e:
                 errors.append(f"{engine.key}: {e.code().name} {e.details()}")
                 continue

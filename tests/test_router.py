@@ -33,6 +33,7 @@ from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.server import Router, continuation_request, held_back_text
 from tests.fake_engine import FakeBehavior, FakeEngine
+from tests.router_helpers import index_counts, wait_ready
 
 BLOCK = 4           # the fakes' kv_block_size
 VOCAB = 1000        # the fakes' vocab_size
@@ -93,6 +94,9 @@ class Cluster:
     def address(self, i: int) -> str:
         return f"127.0.0.1:{self.fakes[i].port}"
 
+    def engine(self, i: int) -> EngineClient:
+        return self.router.pool._engines[self.address(i)]
+
     def fake_by_id(self, engine_id: str) -> RecordingFake:
         return next(f for f in self.fakes if f.engine_id == engine_id)
 
@@ -143,7 +147,7 @@ async def cluster(n: int = 3, behaviors: list[FakeBehavior] | None = None, **rou
     router = Router(RouterConfig(**kw))
     try:
         await router.start()
-        assert await router.pool.wait_ready(len(fakes), timeout=10)
+        assert await wait_ready(router.pool, len(fakes), timeout=10)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
             yield Cluster(router, fakes, pb_grpc.GenerationStub(channel), channel)
     finally:
@@ -211,7 +215,7 @@ async def test_optimistic_insert_keeps_a_prefix_home_before_events_confirm():
             *(stream(c.stub, build_request(HOT + [i], max_tokens=2)) for i in (2, 3)))
         assert {ch.engine_id for chunks in results for ch in chunks} == {home}
         assert all(chunks[-1].usage.cached_prompt_tokens == len(HOT) for chunks in results)
-        assert all(c.router.index.num_blocks(c.address(i))[0] == 0 for i in range(3))
+        assert all(index_counts(c.router.index, c.address(i))[0] == 0 for i in range(3))
 
 
 @aio
@@ -300,7 +304,7 @@ async def test_failure_before_first_token_is_retried_elsewhere(code, counted):
         assert c.metric("nanoserve_router_requests_total", engine=retried, reason="retry") == 1
         assert sum(c.metric("nanoserve_router_requests_total", engine=c.address(i), reason=r)
                    for i in range(3) for r in ("prefix_hit", "prefix_miss", "retry")) == 2
-        e0 = c.router.pool.get(c.address(0))
+        e0 = c.engine(0)
         assert e0.failures == (1 if counted else 0)
         assert e0.routable() is not counted
 
@@ -372,7 +376,7 @@ async def test_invalid_argument_passes_through_and_does_not_hurt_the_engine():
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.stub.Generate(build_request(HOT + [1], max_tokens=5000), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        e1 = c.router.pool.get(c.address(1))
+        e1 = c.engine(1)
         assert e1.failures == 0 and e1.routable()
         chunks = await stream(c.stub, build_request(HOT + [1], max_tokens=2))
         assert {ch.engine_id for ch in chunks} == {"e1"}
@@ -470,14 +474,14 @@ async def test_unhealthy_or_draining_engine_is_skipped():
     async with cluster() as c:
         await c.hold_prefix(0, HOT)
         c.fakes[0].set_serving(False)
-        await until(lambda: not c.router.pool.get(c.address(0)).routable())
+        await until(lambda: not c.engine(0).routable())
         chunks = await stream(c.stub, build_request(HOT + [3], max_tokens=2))
         assert chunks[0].engine_id != "e0"
         c.fakes[0].set_serving(True)
-        await until(lambda: c.router.pool.get(c.address(0)).routable())
+        await until(lambda: c.engine(0).routable())
         c.fakes[0].behavior.accepting = False
-        await until(lambda: not c.router.pool.get(c.address(0)).routable())
-        assert "draining" in c.router.pool.get(c.address(0)).state()
+        await until(lambda: not c.engine(0).routable())
+        assert "draining" in c.engine(0).state()
         await c.settle()
         chunks = await stream(c.stub, build_request(HOT + [4], max_tokens=2))
         assert chunks[0].engine_id != "e0"
@@ -492,8 +496,8 @@ async def test_engine_with_another_hash_scheme_is_refused():
                                  health_interval=0.1, http_port=None))
     try:
         await router.start()
-        assert await router.pool.wait_ready(1)
-        other = router.pool.get(f"127.0.0.1:{fakes[1].port}")
+        assert await wait_ready(router.pool, 1)
+        other = router.pool._engines[f"127.0.0.1:{fakes[1].port}"]
         await until(lambda: other.info is not None)
         assert not other.routable() and "hash scheme" in other.state()
         assert len(router.pool.routable()) == 1
@@ -518,7 +522,7 @@ async def test_client_cancel_reaches_the_engine():
         seen = await asyncio.to_thread(fake.wait_until, lambda: "r-cancel" in fake.cancelled, 5)
         assert seen
         assert "r-cancel" not in fake.finished
-        assert c.router.pool.get(c.address(c.index_of(first.engine_id))).failures == 0
+        assert c.engine(c.index_of(first.engine_id)).failures == 0
 
 
 @aio
@@ -590,7 +594,7 @@ async def test_dns_discovery_engines_join_and_leave():
                     resolver=resolver)
     try:
         await router.start()
-        assert await router.pool.wait_ready(1)
+        assert await wait_ready(router.pool, 1)
         assert [e.key for e in router.pool.engines()] == addresses[:1]
         answer.append(addresses[1])
         await until(lambda: len(router.pool.routable()) == 2)

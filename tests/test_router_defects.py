@@ -25,9 +25,9 @@ from nanoserve.v1 import nanoserve_pb2 as pb
 from nanoserve.v1 import nanoserve_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.engine_pool import EngineClient
-from router.errors import bounded
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
+from router.server import bounded
 from tests.fake_engine import FakeBehavior
 from tests.procs import ServerProc, start_engine, start_router
 from tests.test_router import (
@@ -151,8 +151,8 @@ async def test_crash_with_many_streams_counts_once_and_restarted_engine_rejoins_
     # 1 s by the router, plus a health check).
     behaviors = [FakeBehavior(token_delay_s=0.05) for _ in range(2)]
     async with cluster(behaviors=behaviors, failure_backoff=10.0) as c:
-        e0 = c.router.pool.get(c.address(0))
-        e1 = c.router.pool.get(c.address(1))
+        e0 = c.engine(0)
+        e1 = c.engine(1)
         c.fakes[1].set_serving(False)  # so that every stream starts on e0
         await until(lambda: not e1.routable())
         calls = [c.stub.Stream(build_request(HOT + [i], max_tokens=40), timeout=30)

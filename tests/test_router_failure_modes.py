@@ -125,7 +125,7 @@ async def test_the_routers_count_holds_until_the_stream_ends():
         first, *others_prompts = distinct_prompts(6)
         call = c.stub.Stream(build_request(first, max_tokens=20))
         chunks = [await call.read() for _ in range(3)]
-        busy = c.router.pool.get(c.address(c.index_of(chunks[0].engine_id)))
+        busy = c.engine(c.index_of(chunks[0].engine_id))
         # prompt + max_tokens, counted from the send to the last chunk
         assert busy.load() == len(first) + 20
         others = [e for e in c.router.pool.engines() if e is not busy]

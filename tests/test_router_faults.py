@@ -49,7 +49,7 @@ async def test_streams_of_a_stalled_engine_finish_elsewhere_and_the_stall_counts
             assert tokens_of(chunks) == expected_tokens(prompt, 10)  # as without the stall
             assert [ch.engine_id for ch in chunks[:3]] == ["e0"] * 3
             assert {ch.engine_id for ch in chunks[3:]} == {"e1"}
-        e0 = c.router.pool.get(c.address(0))
+        e0 = c.engine(0)
         assert e0.failures == 1 and engine_failures(c, 0) == 1
         assert c.metric("nanoserve_router_failovers_total", engine=c.address(0)) == 3
         await until(lambda: len(c.fakes[0].cancelled) == 3)
@@ -70,7 +70,7 @@ async def test_the_wait_for_a_first_chunk_is_not_a_stall():
         chunks = await read_all(call)
         assert tokens_of(chunks) == expected_tokens(HOT + [5], 4)
         assert {ch.engine_id for ch in chunks} == {"e0"}
-        assert c.router.pool.get(c.address(0)).failures == 0
+        assert c.engine(0).failures == 0
 
 
 @aio
@@ -86,7 +86,7 @@ async def test_an_engine_turning_not_serving_has_its_silent_streams_moved():
         chunks = first + await read_all(call)
         assert tokens_of(chunks) == expected_tokens(prompt, 8)
         assert {ch.engine_id for ch in chunks[3:]} == {"e1"}
-        e0 = c.router.pool.get(c.address(0))
+        e0 = c.engine(0)
         assert e0.failures == 1
         c.fakes[0].set_serving(True)  # load polls stop while an engine is not serving
         await until(e0.routable)
@@ -102,11 +102,11 @@ async def test_a_draining_engine_keeps_the_streams_that_make_progress():
         call = c.stub.Stream(build_request(prompt, max_tokens=60), timeout=10)
         first = await call.read()
         c.fakes[0].set_serving(False)  # draining: NOT_SERVING, in-flight work finishes
-        await until(lambda: not c.router.pool.get(c.address(0)).serving)
+        await until(lambda: not c.engine(0).serving)
         chunks = [first] + await read_all(call)
         assert tokens_of(chunks) == expected_tokens(prompt, 60)
         assert {ch.engine_id for ch in chunks} == {"e0"}
-        assert c.router.pool.get(c.address(0)).failures == 0
+        assert c.engine(0).failures == 0
 
 
 # ---- admission control ------------------------------------------------------------------

@@ -89,12 +89,12 @@ def test_router_imports_and_help_without_torch():
         assert flag in out
 
 
-def test_python_dash_m_router_help_without_torch():
+def test_python_dash_m_clients_cli_router_help_without_torch():
     result = run_python("""
         import runpy
-        sys.argv = ["router", "--help"]
+        sys.argv = ["nanoserve", "router", "--help"]
         try:
-            runpy.run_module("router", run_name="__main__")
+            runpy.run_module("clients.cli", run_name="__main__")
         except SystemExit as e:
             print("EXIT", e.code)
     """)
@@ -114,6 +114,7 @@ def test_router_serves_text_without_torch(tmp_path):
         from nanoserve.v1 import nanoserve_pb2 as pb, nanoserve_pb2_grpc as pb_grpc
         from router.config import RouterConfig
         from router.server import Router
+        from router_helpers import wait_ready
 
         async def main():
             fake, port = start_fake_engine(
@@ -122,7 +123,7 @@ def test_router_serves_text_without_torch(tmp_path):
                                          health_interval=0.1, http_port=None))
             await router.start()
             try:
-                assert await router.pool.wait_ready(1)
+                assert await wait_ready(router.pool, 1)
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{{router.port}}") as ch:
                     r = await pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
                         text="hello router pod", sampling=pb.SamplingParams(max_tokens=2)),

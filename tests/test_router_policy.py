@@ -18,6 +18,7 @@ from router.policy import (
     choose,
 )
 from router.prefix_index import ApplyResult, PrefixIndex
+from tests.router_helpers import index_counts
 
 PREFIX = PolicyConfig(policy="prefix", cache_weight=1.0, load_guard_ratio=0)
 
@@ -219,13 +220,13 @@ def test_optimistic_entries_expire_unless_confirmed():
     index.apply_snapshot("e", 0, [])
     index.insert_optimistic("e", [1, 2, 3])
     assert index.match("e", [1, 2, 3]) == 3
-    assert index.num_blocks("e") == (0, 3)
+    assert index_counts(index, "e") == (0, 3)
     index.apply_delta("e", 1, stored=[1, 2], removed=[])  # the engine confirms two
-    assert index.num_blocks("e") == (2, 1)
+    assert index_counts(index, "e") == (2, 1)
     clock.now += 5.0
     assert index.match("e", [1, 2, 3]) == 2  # the unconfirmed third expired
     index.expire()
-    assert index.num_blocks("e") == (2, 0)
+    assert index_counts(index, "e") == (2, 0)
 
 
 def test_expire_drops_only_lapsed_optimistic_entries():
@@ -239,15 +240,15 @@ def test_expire_drops_only_lapsed_optimistic_entries():
     clock.now += 3.0
     index.insert_optimistic("b", [7, 8])  # lapses 3 s after the others
     index.expire()
-    assert index.num_blocks("a") == (1, 3) and index.num_blocks("b") == (1, 5)
+    assert index_counts(index, "a") == (1, 3) and index_counts(index, "b") == (1, 5)
     clock.now += 2.0  # the first three of each engine lapse now (expiry <= now)
     index.expire()
-    assert index.num_blocks("a") == (1, 0)
-    assert index.num_blocks("b") == (1, 2)
+    assert index_counts(index, "a") == (1, 0)
+    assert index_counts(index, "b") == (1, 2)
     assert index.match("b", [7, 8]) == 2 and index.match("a", [100]) == 1
     clock.now += 3.0
     index.expire()
-    assert index.num_blocks("b") == (1, 0)
+    assert index_counts(index, "b") == (1, 0)
 
 
 def test_optimistic_entry_dropped_by_removal_and_kept_across_snapshot():

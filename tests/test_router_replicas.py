@@ -32,6 +32,7 @@ from router.config import RouterConfig
 from router.server import Router
 from tests.fake_engine import FakeBehavior, FakeEngine
 from tests.procs import start_router
+from tests.router_helpers import wait_ready
 
 BLOCK = 4  # the fakes' kv_block_size
 DEFAULTS = RouterConfig(engine=["127.0.0.1:1"])  # the routers' cadence as shipped
@@ -97,7 +98,7 @@ async def replicas(fakes: list[HoldingFake], n: int = 3):
             stack.push_async_callback(router.stop, 0)
             await router.start()
         for router in routers:
-            assert await router.pool.wait_ready(len(fakes), timeout=10)
+            assert await wait_ready(router.pool, len(fakes), timeout=10)
         stubs = []
         for router in routers:
             channel = await stack.enter_async_context(

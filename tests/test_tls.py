@@ -32,6 +32,7 @@ from router.config import RouterConfig
 from router.server import Router
 from tests.fake_engine import FakeEngine, start_fake_engine
 from tests.procs import run_node_client_test, start_engine, start_router
+from tests.router_helpers import wait_ready
 
 NANOSERVE = Path(sys.executable).parent / "nanoserve"
 SERVICE = "nanoserve-engine"  # the DNS name engines found by --engine-dns are verified as
@@ -183,7 +184,7 @@ def test_router_verifies_dns_found_engines_by_service_name(pki: Pki) -> None:
         router = Router(config, resolver=resolve)
         try:
             await router.start()
-            assert await router.pool.wait_ready(1, timeout=10)
+            assert await wait_ready(router.pool, 1, timeout=10)
             async with AsyncClient(f"127.0.0.1:{router.port}", timeout=10,
                                    tls_ca=pki.ca) as client:
                 result = await client.generate([10, 11], max_tokens=3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine_service.common.tokenizer import Tokenizer
 
@@ -173,3 +174,36 @@ class IncrementalDetokenizer:
             if any(stop.startswith(tail) for stop in self.stop):
                 return size
         return 0
+
+
+def tokenizer_if_present(model_dir: str) -> Tokenizer | None:
+    """The directory's tokenizer, or None: a --load-format dummy directory may hold only
+    config.json (token ids in and out)."""
+    has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
+    return Tokenizer.from_dir(model_dir) if has_tokenizer else None
+
+
+@dataclass(slots=True)
+class OutputStep:
+    """One step's output of a request, as its client sees it."""
+
+    num_tokens: int  # of the step's new tokens, those kept (fewer when a stop string ends it)
+    text: str  # text delta
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    stopped_by_text: bool = False  # a stop string ended it, so the engine must abort it
+
+
+def apply_output(detok: IncrementalDetokenizer | None, out) -> OutputStep:
+    """Detokenize one step's RequestOutput `out` (without a tokenizer, no text) and tell
+    whether it ends the request: a stop string in its text, or the engine's own finish."""
+    upd = detok.update(out.new_token_ids) if detok is not None else None
+    if upd is not None and upd.stopped:
+        return OutputStep(upd.num_tokens, upd.text_delta, True, "stop", upd.stop_string, True)
+    step = OutputStep(len(out.new_token_ids) if upd is None else upd.num_tokens,
+                      "" if upd is None else upd.text_delta, out.finished)
+    if out.finished:
+        step.text += detok.finish() if detok is not None else ""
+        step.finish_reason, step.stop_reason = out.finish_reason, out.stop_reason
+    return step

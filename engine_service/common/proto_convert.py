@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import inspect
 import struct
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -39,6 +39,7 @@ MAX_PROMPT_BYTES_PER_TOKEN = 32
 # The largest request (gRPC message, HTTP body) a router or engine reads: a 2M-token context's
 # text prompt at MAX_PROMPT_BYTES_PER_TOKEN. Prompts are checked against the model's own limit.
 MAX_REQUEST_BYTES = 64 << 20
+DEADLINE_SLACK_S = 0.1  # seconds; see cancel_code
 
 
 def float32_to_decimal(x: float) -> float:
@@ -210,6 +211,23 @@ def add_chunk(response: pb.GenerateResponse, chunk: pb.GenerateChunk) -> None:
         response.finish_reason = chunk.finish_reason
         response.stop_reason = chunk.stop_reason
         response.usage.CopyFrom(chunk.usage)
+
+
+async def unary_from_stream(chunks: AsyncIterator[pb.GenerateChunk]) -> pb.GenerateResponse:
+    """A unary Generate served from the request's Stream (so both fail the same way)."""
+    response = pb.GenerateResponse()
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            add_chunk(response, chunk)
+    return response
+
+
+def cancel_code(context) -> str:
+    """The status name of a cancelled handler: grpc cancels it both when the client goes away
+    and when its deadline passes, and only the time left tells them apart. The client's own
+    deadline timer often fires first, so a cancel this close to the deadline is the deadline."""
+    left = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if left is not None and left < DEADLINE_SLACK_S else "CANCELLED"
 
 
 def logprob_to_proto(token_id: int, entry: tuple[float, list[int], list[float]]

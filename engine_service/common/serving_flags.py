@@ -4,7 +4,8 @@ API key. Light at import (no web framework), so building the CLI parsers stays f
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 
 def port_or_off(value: str) -> int | None:
@@ -15,6 +16,11 @@ def port_or_off(value: str) -> int | None:
         raise argparse.ArgumentTypeError(
             f"must be a port in [0, 65535] (0 = any free port) or 'off', got {value!r}")
     return int(value)
+
+
+def dataclass_from_args(cls: Any, args: argparse.Namespace) -> Any:
+    """The dataclass `cls` from the parsed flags named as its fields (absent ones: defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 @dataclass

@@ -66,6 +66,7 @@ class LLM:
 
         outputs: dict[str, CompletionOutput] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
+        skip_special: dict[str, bool] = {}
         order: list[str] = []
         try:
             # A bad prompt raises before any step runs; the requests added before it are aborted.
@@ -74,17 +75,21 @@ class LLM:
                 self.engine.add_request(rid, ids, sp, prio)
                 order.append(rid)
                 outputs[rid] = CompletionOutput(rid, ids)
-                if self.tokenizer is not None:
+                if self.tokenizer is not None and sp.stop:
+                    # Stop strings are looked for as the text grows; without them the text
+                    # is decoded once, when the request ends.
                     detoks[rid] = IncrementalDetokenizer(self.tokenizer,
                                                          sp.skip_special_tokens, sp.stop)
-            self._run(outputs, detoks, use_tqdm)
+                skip_special[rid] = sp.skip_special_tokens
+            self._run(outputs, detoks, skip_special, use_tqdm)
         finally:
             for rid in order:  # on an error (or Ctrl-C) leave nothing behind in the engine
                 self.engine.abort(rid)
         return [outputs[rid] for rid in order]
 
     def _run(self, outputs: dict[str, CompletionOutput],
-             detoks: dict[str, IncrementalDetokenizer], use_tqdm: bool) -> None:
+             detoks: dict[str, IncrementalDetokenizer], skip_special: dict[str, bool],
+             use_tqdm: bool) -> None:
         bar = tqdm(total=len(outputs), desc="Generating", disable=not use_tqdm,
                    dynamic_ncols=True)
         # The bar shows prompt (prefill=) and decode (decode=) tokens per wall-clock second
@@ -110,7 +115,7 @@ class LLM:
                     self.engine.abort(ro.request_id)
                 if step.finished:
                     out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
-                    out.text = detok.output_text if detok is not None else ""
+                    out.text = self._text(out, detok, skip_special[ro.request_id])
                     pending.discard(ro.request_id)
                     bar.update(1)
             if use_tqdm:
@@ -120,3 +125,11 @@ class LLM:
                     decode=f"{(totals.num_decode_tokens - base[1]) / elapsed:.0f}tok/s",
                     refresh=False)
         bar.close()
+
+    def _text(self, out: CompletionOutput, detok: IncrementalDetokenizer | None,
+              skip_special_tokens: bool) -> str:
+        if detok is not None:
+            return detok.output_text
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(out.token_ids, skip_special_tokens=skip_special_tokens)
